@@ -1,0 +1,104 @@
+"""Configuration: one frozen dataclass per layer. The only module that reads environment variables."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping
+
+ENV_PREFIX = "FORGE_"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # Path to a .gguf file or a Hugging Face directory; None means the default model.
+    model: str | None = None
+    # "auto" picks the fastest dtype for the device; "float32" or "bfloat16" force one.
+    dtype: str = "auto"
+    # Caps the context length below the model's own; None keeps the model's.
+    max_model_len: int | None = None
+    # Name under which the model is served; None derives it from the file name.
+    served_model_name: str | None = None
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Memory for the K/V tensors; the number of blocks follows from it.
+    kv_cache_bytes: int = 1 << 30
+    # Overrides kv_cache_bytes when set (tests use it to force preemption).
+    num_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    # Bound on waiting requests; past it, new requests are refused. 0 means unbounded.
+    max_waiting: int = 256
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    # torch intra-op threads on CPU; 0 keeps torch's default.
+    num_threads: int = 0
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    # How long in-flight requests may run after SIGTERM.
+    drain_timeout_s: float = 30.0
+    # When set, the gateway requires `Authorization: Bearer <api_key>`.
+    api_key: str | None = None
+    log_level: str = "info"
+
+
+def _coerce(value: str, current: Any, name: str) -> Any:
+    if isinstance(current, bool):
+        return value.lower() in ("1", "true", "yes", "on")
+    if isinstance(current, int):
+        return int(value)
+    if isinstance(current, float):
+        return float(value)
+    if value == "" and current is None:
+        return None
+    # Fields whose default is None take ints when the string is numeric.
+    if current is None and name in _INT_OR_NONE:
+        return int(value)
+    return value
+
+
+_INT_OR_NONE = {"max_model_len", "num_blocks"}
+
+
+def from_env(cls: type, env: Mapping[str, str] | None = None, **overrides: Any):
+    """Build `cls` from FORGE_<FIELD> variables, then apply non-None overrides (CLI flags)."""
+    env = os.environ if env is None else env
+    obj = cls()
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        key = ENV_PREFIX + f.name.upper()
+        if key in env:
+            values[f.name] = _coerce(env[key], getattr(obj, f.name), f.name)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return replace(obj, **values)
+
+
+def engine_config_from_env(env: Mapping[str, str] | None = None, **overrides: Any) -> EngineConfig:
+    """EngineConfig from FORGE_* variables; `overrides` are field names of any sub-config."""
+    def pick(cls: type) -> dict[str, Any]:
+        names = {f.name for f in fields(cls)}
+        return {k: v for k, v in overrides.items() if k in names}
+
+    return EngineConfig(
+        model=from_env(ModelConfig, env, **pick(ModelConfig)),
+        cache=from_env(CacheConfig, env, **pick(CacheConfig)),
+        scheduler=from_env(SchedulerConfig, env, **pick(SchedulerConfig)),
+        num_threads=int((os.environ if env is None else env).get("FORGE_NUM_THREADS", overrides.get("num_threads") or 0)),
+    )

@@ -1,0 +1,40 @@
+"""The contract between the scheduler (plain Python) and the model runner (tensors)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from forge_service.engine.request import Request
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens [start, start + num_tokens) of one request are computed this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_ids: list[int]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the last known token, so a new token is sampled."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    # Requests preempted this step: their blocks were freed and they wait for recompute.
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks

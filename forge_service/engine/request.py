@@ -1,0 +1,156 @@
+"""Requests and their sampling parameters: plain Python, no torch."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from forge_service.errors import InvalidArgument
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping parameters (names follow vLLM's offline API)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context length
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    # None: no logprobs. k >= 0: the chosen token's logprob plus the top-k alternatives.
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidArgument naming the first parameter out of range."""
+        checks = [
+            (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (self.n <= 16, f"n must be <= 16, got {self.n}"),
+            (0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (0.0 < self.repetition_penalty <= 10.0, f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"),
+            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
+             f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            (len(self.stop) <= 16, f"at most 16 stop strings, got {len(self.stop)}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidArgument(message)
+        self._validate_token_ids(vocab_size)
+
+    def _validate_token_ids(self, vocab_size: int | None) -> None:
+        for token_id, bias in (self.logit_bias or {}).items():
+            if vocab_size is not None and not 0 <= int(token_id) < vocab_size:
+                raise InvalidArgument(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidArgument(f"logit_bias for token {token_id} must be in [-100, 100], got {bias}")
+        for token_id in self.stop_token_ids:
+            if vocab_size is not None and not 0 <= token_id < vocab_size:
+                raise InvalidArgument(f"stop_token_ids entry {token_id} is outside the vocabulary [0, {vocab_size})")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+@dataclass
+class Request:
+    """One sequence being generated. A prompt with n > 1 becomes n Requests sharing `parent_id`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Tokens that end generation (EOS ids unless ignore_eos, plus stop_token_ids).
+    stop_token_set: frozenset[int] = frozenset()
+    # Hard cap on prompt + output tokens (the model's context length).
+    max_model_len: int = 1 << 30
+    parent_id: str | None = None
+    index: int = 0  # which of the parent's n completions
+    seed: int | None = None  # this completion's seed (the parent's seed offset by index)
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    # The token (id) or stop string that ended the request, when one did.
+    stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def max_output_tokens(self) -> int:
+        room = self.max_model_len - self.num_prompt_tokens
+        cap = self.sampling_params.max_tokens
+        return room if cap is None else min(cap, room)
+
+    def check_stop(self) -> bool:
+        """After appending a token: set a finished status if a token-level stop condition holds."""
+        last = self.output_token_ids[-1]
+        if last in self.stop_token_set:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = last
+        elif len(self.output_token_ids) >= self.max_output_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+        return self.status.finished
