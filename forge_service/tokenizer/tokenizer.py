@@ -1,0 +1,143 @@
+"""The model's tokenizer: an HF `tokenizers.Tokenizer` plus the special tokens and chat template around it.
+
+Built from a GGUF file's vocabulary metadata or from a Hugging Face directory (tokenizer.json,
+tokenizer_config.json, generation_config.json). Encodes and decodes as transformers does.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from tokenizers import Tokenizer as BackendTokenizer
+
+from forge_service.errors import InvalidArgument, ModelLoadError
+from forge_service.tokenizer.chat_template import ChatTemplate
+from forge_service.tokenizer.gguf_vocab import add_bos, bos_eos_processor, build_backend, special_token_texts, \
+    read_gguf_vocab
+
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, and its chat template.
+
+    `backend` is the HF tokenizers object (structured output builds token masks from it).
+    `eos_token_ids` are every id that ends generation; `add_bos` says whether `encode` prepends BOS.
+    """
+
+    def __init__(self, backend: BackendTokenizer, special_tokens: dict[str, str],
+                 eos_token_ids: tuple[int, ...] | None = None, chat_template: str | None = None) -> None:
+        self.backend = backend
+        self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
+        self.bos_token_id = self._id_of(self.special_tokens.get("bos_token"))
+        self.eos_token_id = self._id_of(self.special_tokens.get("eos_token"))
+        default_eos = (self.eos_token_id,) if self.eos_token_id is not None else ()
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids) if eos_token_ids else default_eos
+        self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
+        self.add_bos = self.bos_token_id is not None and backend.encode("").ids[:1] == [self.bos_token_id]
+        self.chat_template = chat_template
+        self._template = ChatTemplate(chat_template, self.special_tokens) if chat_template else None
+        self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+
+    # --- construction ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_path(cls, path: str) -> Tokenizer:
+        """A `.gguf` file (vocabulary from its metadata) or a Hugging Face model directory."""
+        if os.path.isdir(path):
+            return cls.from_hf_dir(path)
+        if path.endswith(".gguf") and os.path.isfile(path):
+            return cls.from_gguf(path)
+        raise ModelLoadError(path, "expected a .gguf file or a directory with tokenizer.json")
+
+    @classmethod
+    def from_gguf(cls, path: str) -> Tokenizer:
+        vocab = read_gguf_vocab(path)
+        backend = build_backend(vocab, path)
+        ids = vocab.special_ids
+        eos = tuple(dict.fromkeys(ids[k] for k in ("eos", "eot", "eom") if k in ids))
+        tokenizer = cls(backend, special_token_texts(vocab), eos, vocab.chat_template)
+        assert tokenizer.add_bos == add_bos(vocab)
+        return tokenizer
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> Tokenizer:
+        tokenizer_json = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tokenizer_json):
+            raise ModelLoadError(path, "no tokenizer.json in the directory")
+        backend = BackendTokenizer.from_file(tokenizer_json)
+        config = _read_json(os.path.join(path, "tokenizer_config.json"))
+        special = {name: _token_text(config.get(name)) for name in _SPECIAL_NAMES}
+        if "add_bos_token" in config or "add_eos_token" in config:
+            # transformers rebuilds the post-processor when the config states these flags; so do we.
+            bos = special["bos_token"] if config.get("add_bos_token") else None
+            eos = special["eos_token"] if config.get("add_eos_token") else None
+            backend.post_processor = bos_eos_processor(bos, eos, backend)
+        generation = _read_json(os.path.join(path, "generation_config.json"))
+        eos_ids = generation.get("eos_token_id")
+        eos_ids = (eos_ids,) if isinstance(eos_ids, int) else tuple(eos_ids or ())
+        return cls(backend, special, eos_ids, _hf_chat_template(path, config))
+
+    # --- encode / decode ---------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids; special tokens written in the text (e.g. "<|im_start|>") are matched whole."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.backend.id_to_token(i)
+
+    def is_special(self, i: int) -> bool:
+        return i in self._special_ids
+
+    # --- chat --------------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt text for a conversation. `chat_template=` overrides the model's template.
+
+        Raises InvalidArgument when there is no template, or it fails or rejects the messages."""
+        source = kwargs.pop("chat_template", None)
+        template = ChatTemplate(source, self.special_tokens) if source else self._template
+        if template is None:
+            raise InvalidArgument("this model has no chat template; send a plain prompt instead")
+        return template.render(messages, add_generation_prompt, **kwargs)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        """Render then encode without adding BOS/EOS: the template writes them (as transformers does)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
+                           add_special_tokens=False)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return self.backend.token_to_id(token) if token is not None else None
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(path, f"invalid JSON ({e})") from e
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config writes a special token as a string or as an AddedToken dict {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _hf_chat_template(path: str, config: dict) -> str | None:
+    """The default chat template: a string, a list of {name, template}, or a chat_template.jinja file."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    jinja_file = os.path.join(path, "chat_template.jinja")
+    if template is None and os.path.isfile(jinja_file):
+        with open(jinja_file, encoding="utf-8") as f:
+            template = f.read()
+    return template
