@@ -1,0 +1,59 @@
+"""The CPU backend (torch): the reference every other backend is tested against."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from forge_service.layers.attention import AttentionMetadata
+
+
+class CpuBackend:
+    """Paged KV writes and attention over a flat batch mixing decodes and prefill chunks."""
+
+    name = "cpu"
+
+    @staticmethod
+    def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        # caches: [S, Hkv, hd] (S = num_blocks * block_size); k, v: [T, Hkv, hd]
+        k_cache.index_copy_(0, slot_mapping, k)
+        v_cache.index_copy_(0, slot_mapping, v)
+
+    @staticmethod
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # q: [T, H, hd]; k, v: [T, Hkv, hd] (this step's tokens, already in the cache) -> [T, H * hd]
+        out = torch.empty_like(q)
+        d = meta.num_decode_tokens
+        if d:
+            out[:d] = _decode(q[:d], k_cache, v_cache, meta, scale)
+        for seq in meta.prefills:
+            out[seq.q_start:seq.q_end] = _prefill(q, k, v, k_cache, v_cache, seq, scale)
+        return out.flatten(1)
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+            scale: float) -> torch.Tensor:
+    # q: [D, H, hd] -> [D, H, hd]; keys gathered through block tables: [D, Hkv, Lmax, hd]
+    keys = k_cache[meta.decode_slots].transpose(1, 2)
+    values = v_cache[meta.decode_slots].transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+                                       scale=scale, enable_gqa=True)
+    return o.squeeze(2)
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, seq, scale: float) -> torch.Tensor:
+    qs = q[seq.q_start:seq.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, L, hd]
+    if seq.ctx_slots is None:
+        keys = k[seq.q_start:seq.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, hd]
+        values = v[seq.q_start:seq.q_end].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        keys = k_cache[seq.ctx_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, C, hd]
+        values = v_cache[seq.ctx_slots].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=seq.mask, scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)  # [L, H, hd]
+
+
+BACKENDS = {"cpu": CpuBackend}

@@ -1,0 +1,194 @@
+"""The synchronous engine: requests in, one batched step at a time, delta outputs out."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from forge_service.backends.cpu import BACKENDS
+from forge_service.config import EngineConfig
+from forge_service.engine.output_processor import CompletionProcessor, TokenTexts
+from forge_service.engine.output_types import CompletionOutput, RequestOutput
+from forge_service.engine.request import Request, RequestStatus, SamplingParams
+from forge_service.engine.scheduler import Scheduler
+from forge_service.errors import InvalidArgument, QueueFull
+from forge_service.kv_cache.manager import KVCacheManager
+from forge_service.loaders import default_model_path, load_checkpoint
+from forge_service.models.registry import build_model
+from forge_service.runner.model_runner import ModelRunner
+from forge_service.tokenizer import Tokenizer
+
+log = logging.getLogger("forge.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Measured on the CPU this project targets (see bench/throughput.py): bf16 matmuls are faster.
+AUTO_DTYPE = {"cpu": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return AUTO_DTYPE[device]
+    if name not in DTYPES:
+        raise InvalidArgument(f"dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
+    return DTYPES[name]
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / max(1, self.kv_blocks_total)
+
+
+@dataclass
+class _Parent:
+    """A prompt with its n completions (children)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    children: list[str]
+    finished: set[str] = field(default_factory=set)
+
+
+class LLMEngine:
+    """Synchronous and single-threaded: only one thread may call it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        path = config.model.model or default_model_path()
+        self.dtype = resolve_dtype(config.model.dtype, config.model.device)
+        started = time.perf_counter()
+        ckpt = load_checkpoint(path, self.dtype)
+        self.tokenizer = Tokenizer.from_path(path)
+        self.arch = ckpt.arch
+        self.model = build_model(path, ckpt.arch, ckpt.weights, BACKENDS[config.model.device]())
+        self.max_model_len = min(config.model.max_model_len or ckpt.arch.max_position_embeddings,
+                                 ckpt.arch.max_position_embeddings)
+        self.runner = ModelRunner(self.model, ckpt.arch, config.cache, self.dtype, self.max_model_len)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.model_name = config.model.served_model_name or _name_from_path(path)
+        self.eos_token_ids = tuple(ckpt.arch.eos_token_ids or self.tokenizer.eos_token_ids)
+        self.token_texts = TokenTexts(self.tokenizer)
+        self.processors: dict[str, CompletionProcessor] = {}
+        self.parents: dict[str, _Parent] = {}
+        self.num_preemptions = 0
+        log.info("loaded %s (%s) in %.1fs: %d KV blocks of %d tokens", path, self.dtype,
+                 time.perf_counter() - started, self.runner.num_blocks, config.cache.block_size)
+
+    # ---- requests in ----
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Validate and queue a prompt; raises InvalidArgument or QueueFull."""
+        if request_id in self.parents:
+            raise InvalidArgument(f"request id {request_id!r} is already in use")
+        self._validate(prompt_token_ids, params)
+        bound = self.config.scheduler.max_waiting
+        if bound and self.scheduler.num_waiting + params.n > bound:
+            raise QueueFull(f"the waiting queue is full ({self.scheduler.num_waiting} of {bound})")
+        children = [self._child(request_id, prompt_token_ids, params, i) for i in range(params.n)]
+        self.parents[request_id] = _Parent(request_id, list(prompt_token_ids), [c.request_id for c in children])
+        for child in children:
+            self.processors[child.request_id] = CompletionProcessor(self.tokenizer, child, self.token_texts)
+            self.scheduler.add(child)
+
+    def _child(self, request_id: str, prompt: list[int], params: SamplingParams, index: int) -> Request:
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(self.eos_token_ids)
+        return Request(
+            request_id=request_id if params.n == 1 else f"{request_id}#{index}",
+            prompt_token_ids=list(prompt), sampling_params=params, stop_token_set=frozenset(stops),
+            max_model_len=self.max_model_len, parent_id=request_id, index=index,
+            seed=None if params.seed is None else params.seed + index,
+        )
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        params.validate(self.arch.vocab_size)
+        if not prompt:
+            raise InvalidArgument("the prompt is empty: it needs at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise InvalidArgument(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.arch.vocab_size})")
+        n, limit = len(prompt), self.max_model_len
+        wanted = n + (params.max_tokens or 1)
+        if wanted > limit:
+            raise InvalidArgument(
+                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: {wanted} tokens exceed "
+                f"the model's context length of {limit} by {wanted - limit}")
+        capacity = self.kv.block_size * self.runner.num_blocks
+        if wanted > capacity:
+            raise InvalidArgument(
+                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: {wanted} tokens exceed "
+                f"the KV cache's capacity of {capacity} tokens by {wanted - capacity}")
+
+    def abort_request(self, request_id: str) -> None:
+        parent = self.parents.pop(request_id, None)
+        for child_id in parent.children if parent else []:
+            self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
+            self._forget(child_id)
+
+    # ---- one step ----
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; returns deltas of the requests that progressed."""
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        self.num_preemptions += len(out.preempted)
+        sampled = self.runner.execute(out)
+        self.scheduler.update(out, {s.request_id: s.token_id for s in sampled})
+        deltas: dict[str, RequestOutput] = {}
+        for s in sampled:
+            request = self.scheduler.get(s.request_id) or self._finished_request(out, s.request_id)
+            self._emit(request, s, deltas)
+        return list(deltas.values())
+
+    @staticmethod
+    def _finished_request(out, request_id: str) -> Request:
+        return next(c.request for c in out.chunks if c.request.request_id == request_id)
+
+    def _emit(self, request: Request, s, deltas: dict[str, RequestOutput]) -> None:
+        processor = self.processors.get(request.request_id)
+        parent = self.parents.get(request.parent_id)
+        if processor is None or parent is None:  # aborted between schedule and now
+            return
+        delta, matched = processor.process(request, s)
+        if matched is not None:
+            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, matched
+        if request.status.finished:
+            delta.finish_reason, delta.stop_reason = request.status.finish_reason, request.stop_reason
+            parent.finished.add(request.request_id)
+            self._forget(request.request_id)
+        out = deltas.setdefault(parent.request_id, RequestOutput(parent.request_id, parent.prompt_token_ids, []))
+        out.outputs.append(delta)
+        if len(parent.finished) == len(parent.children):
+            out.finished = True
+            del self.parents[parent.request_id]
+
+    def _forget(self, child_id: str) -> None:
+        self.processors.pop(child_id, None)
+        self.runner.release(child_id)
+
+    # ---- state ----
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting,
+                           self.kv.num_used_blocks, self.runner.num_blocks)
+
+
+def _name_from_path(path: str) -> str:
+    import os
+
+    base = os.path.basename(os.path.normpath(path))
+    return base[:-5] if base.endswith(".gguf") else base

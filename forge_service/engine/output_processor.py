@@ -1,0 +1,63 @@
+"""Per-completion output processing: incremental detokenization, stop strings, logprobs."""
+from __future__ import annotations
+
+from forge_service.engine.output_types import CompletionOutput, Logprob
+from forge_service.engine.request import Request, RequestStatus
+from forge_service.runner.model_runner import SampledToken
+from forge_service.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+
+class TokenTexts:
+    """Decoded text of single tokens (for logprobs), cached per id."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+class CompletionProcessor:
+    """Turns one request's sampled tokens into text deltas; reports a matched stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, request: Request, token_texts: TokenTexts) -> None:
+        params = request.sampling_params
+        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params.skip_special_tokens)
+        self.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
+        self.token_texts = token_texts
+        self.want_logprobs = params.logprobs is not None
+        self.cumulative_logprob = 0.0 if self.want_logprobs else None
+
+    def process(self, request: Request, sampled: SampledToken) -> tuple[CompletionOutput, str | None]:
+        """Delta output for one new token, and the stop string it completed (if any)."""
+        delta = CompletionOutput(index=request.index, token_ids=[sampled.token_id])
+        if self.want_logprobs:
+            delta.logprobs = [self._logprobs(sampled)]
+            self.cumulative_logprob += sampled.logprob
+            delta.cumulative_logprob = self.cumulative_logprob
+        stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason == sampled.token_id
+        text = "" if stopped_by_token and not request.sampling_params.include_stop_str_in_output \
+            else self.detok.add([sampled.token_id])
+        matched = None
+        if self.stops is not None:
+            text, matched = self.stops.feed(text)
+        if request.status.finished and matched is None:
+            text += self._flush()
+        delta.text = text
+        return delta, matched
+
+    def _flush(self) -> str:
+        tail = self.detok.flush()
+        if self.stops is None:
+            return tail
+        text, _ = self.stops.feed(tail)
+        return text + self.stops.flush()
+
+    def _logprobs(self, s: SampledToken) -> list[Logprob]:
+        chosen = Logprob(s.token_id, s.logprob, s.rank, self.token_texts(s.token_id))
+        top = [Logprob(t, lp, r + 1, self.token_texts(t)) for r, (t, lp) in enumerate(s.top or [])]
+        return [chosen, *top]

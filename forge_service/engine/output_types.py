@@ -1,0 +1,49 @@
+"""What the engine returns: per request, one entry per completion (vLLM's offline names)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    rank: int | None
+    token: str  # the token's text on its own
+
+
+@dataclass
+class CompletionOutput:
+    """One completion. In LLMEngine.step() results it holds the delta since the last step;
+    in LLM.generate() results, everything."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    # Per generated token: [chosen, *top alternatives]; None when logprobs were not asked for.
+    logprobs: list[list[Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": len(self.prompt_token_ids),
+            "completion_tokens": sum(len(o.token_ids) for o in self.outputs),
+            "cached_tokens": self.num_cached_tokens,
+        }

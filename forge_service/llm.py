@@ -1,0 +1,87 @@
+"""The offline API: `LLM(model).generate(prompts, params)` and `LLM.chat(conversations, params)`."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence, Union
+
+from forge_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from forge_service.engine.engine import LLMEngine
+from forge_service.engine.output_types import CompletionOutput, RequestOutput
+from forge_service.engine.request import SamplingParams
+
+Prompt = Union[str, list[int]]
+Message = dict[str, Any]
+
+
+class LLM:
+    """Runs the engine to completion over a list of prompts, batching them all together."""
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", *, max_model_len: int | None = None,
+                 block_size: int = 16, kv_cache_bytes: int = 1 << 30, num_blocks: int | None = None,
+                 max_num_batched_tokens: int = 512, max_num_seqs: int = 64, num_threads: int = 0) -> None:
+        self.engine = LLMEngine(EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len),
+            cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes, num_blocks=num_blocks),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                      max_num_seqs=max_num_seqs, max_waiting=0),
+            num_threads=num_threads,
+        ))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Prompts are strings or token-id lists; returns one RequestOutput per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self._run(ids, texts, sampling_params)
+
+    def chat(self, conversations: list[Message] | Sequence[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Each conversation is a list of {"role", "content"} messages rendered with the model's template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                 for c in conversations]
+        ids = [self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt) for c in conversations]
+        return self._run(ids, texts, sampling_params)
+
+    def _run(self, prompts: list[list[int]], texts: list[str | None],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        results: dict[str, RequestOutput] = {}
+        order = []
+        try:
+            for prompt, text, p in zip(prompts, texts, params):
+                p = p or SamplingParams()
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, p)
+                results[request_id] = RequestOutput(request_id, prompt, [CompletionOutput(i) for i in range(p.n)],
+                                                    prompt=text)
+                order.append(request_id)
+        except Exception:
+            for request_id in order:  # a bad prompt rejects the whole call, leaving nothing queued
+                self.engine.abort_request(request_id)
+            raise
+        while self.engine.has_unfinished_requests():
+            for delta in self.engine.step():
+                _accumulate(results[delta.request_id], delta)
+        return [results[r] for r in order]
+
+
+def _accumulate(total: RequestOutput, delta: RequestOutput) -> None:
+    total.finished = total.finished or delta.finished
+    for d in delta.outputs:
+        o = total.outputs[d.index]
+        o.text += d.text
+        o.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            o.logprobs = (o.logprobs or []) + d.logprobs
+            o.cumulative_logprob = d.cumulative_logprob
+        if d.finish_reason is not None:
+            o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason

@@ -1,0 +1,80 @@
+"""Llama in plain torch over a flat batch: prefill chunks and decode tokens in one forward."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from forge_service.layers.attention import AttentionMetadata
+from forge_service.layers.norm import rms_norm
+from forge_service.layers.rotary import RotaryEmbedding, apply_rotary
+from forge_service.models.arch import ArchConfig
+
+
+@dataclass
+class LlamaLayer:
+    input_norm: torch.Tensor  # [D]
+    qkv: torch.Tensor  # [(H + 2 Hkv) * hd, D], fused at load time
+    o_proj: torch.Tensor  # [D, H * hd]
+    post_norm: torch.Tensor  # [D]
+    gate_up: torch.Tensor  # [2 F, D], fused at load time
+    down: torch.Tensor  # [D, F]
+
+
+class LlamaModel:
+    """Weights plus a forward; knows nothing of requests, only of a flat token batch."""
+
+    def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], backend) -> None:
+        self.arch = arch
+        self.backend = backend
+        self.dtype = weights["model.embed_tokens.weight"].dtype
+        self.embed = weights["model.embed_tokens.weight"]  # [V, D]
+        self.lm_head = weights.get("lm_head.weight", self.embed)  # [V, D]
+        self.norm = weights["model.norm.weight"]
+        self.layers = [self._layer(weights, i) for i in range(arch.num_layers)]
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
+                                      arch.rope_scaling, weights.get("model.rope_freq_factors"))
+        self.scale = arch.head_dim ** -0.5
+
+    @staticmethod
+    def _layer(w: dict[str, torch.Tensor], i: int) -> LlamaLayer:
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        return LlamaLayer(
+            input_norm=w[p + "input_layernorm.weight"],
+            qkv=torch.cat([w[attn + "q_proj.weight"], w[attn + "k_proj.weight"], w[attn + "v_proj.weight"]]),
+            o_proj=w[attn + "o_proj.weight"],
+            post_norm=w[p + "post_attention_layernorm.weight"],
+            gate_up=torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]),
+            down=w[mlp + "down_proj.weight"],
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T]; logits_indices: [N] rows that need logits -> logits [N, V] float32
+        x = self.embed[input_ids]  # [T, D]
+        cos, sin = self.rotary.tables(positions, self.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.arch.rms_norm_eps),
+                                    cos, sin, k_cache, v_cache, meta)
+            x = x + self._mlp(layer, rms_norm(x, layer.post_norm, self.arch.rms_norm_eps))
+        x = rms_norm(x[logits_indices], self.norm, self.arch.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    def _attention(self, layer: LlamaLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        a = self.arch
+        t = h.shape[0]
+        q, k, v = F.linear(h, layer.qkv).split(
+            [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], dim=-1)
+        q = apply_rotary(q.view(t, a.num_heads, a.head_dim), cos, sin)  # [T, H, hd]
+        k = apply_rotary(k.view(t, a.num_kv_heads, a.head_dim), cos, sin)  # [T, Hkv, hd]
+        v = v.view(t, a.num_kv_heads, a.head_dim)
+        self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        o = self.backend.attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H * hd]
+        return F.linear(o, layer.o_proj)
+
+    def _mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)  # [T, F] each
+        return F.linear(F.silu(gate) * up, layer.down)

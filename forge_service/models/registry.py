@@ -1,0 +1,18 @@
+"""Model registry: architecture name -> model class."""
+from __future__ import annotations
+
+import torch
+
+from forge_service.errors import ModelLoadError
+from forge_service.models.arch import ArchConfig
+from forge_service.models.llama import LlamaModel
+
+MODELS = {
+    "llama": LlamaModel,
+}
+
+
+def build_model(path: str, arch: ArchConfig, weights: dict[str, torch.Tensor], backend):
+    if arch.architecture not in MODELS:
+        raise ModelLoadError(path, f"unsupported architecture {arch.architecture!r}; supported: {sorted(MODELS)}")
+    return MODELS[arch.architecture](arch, weights, backend)
