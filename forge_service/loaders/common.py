@@ -1,0 +1,89 @@
+"""What every loader returns, and the checks that make a checkpoint safe to hand to a model."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from forge_service.errors import ModelLoadError
+from forge_service.models.arch import ArchConfig
+
+# llama.cpp's per-dimension rope divisors (llama3 rope scaling), kept float32 and 1-D.
+ROPE_FREQ_FACTORS = "model.rope_freq_factors"
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: Hugging Face Llama names and shapes, one dtype, contiguous.
+
+    `lm_head.weight` is absent when `arch.tie_word_embeddings`; `model.rope_freq_factors`
+    is present only when a GGUF carries llama.cpp's `rope_freqs.weight`."""
+
+    path: str
+    format: str  # "gguf" | "safetensors"
+    arch: ArchConfig
+    weights: dict[str, torch.Tensor]
+
+
+def expected_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight a Llama of this shape needs, HF name -> HF shape (out_features, in_features)."""
+    d, f, v = arch.hidden_size, arch.intermediate_size, arch.vocab_size
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+        }
+    return shapes
+
+
+def check_arch(path: str, arch: ArchConfig) -> ArchConfig:
+    """Raise unless the sizes are positive integers and the heads group evenly (GQA)."""
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "max_position_embeddings"):
+        value = getattr(arch, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelLoadError(path, f"{name} must be a positive integer, not {value!r}")
+    for name in ("rms_norm_eps", "rope_theta"):
+        value = getattr(arch, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ModelLoadError(path, f"{name} must be a positive number, not {value!r}")
+    if arch.num_heads % arch.num_kv_heads:
+        raise ModelLoadError(path, f"{arch.num_heads} heads do not group evenly over {arch.num_kv_heads} KV heads")
+    return arch
+
+
+def check_tensors(
+    path: str, arch: ArchConfig, found: dict[str, tuple[int, ...]], display: Callable[[str], str] = str
+) -> None:
+    """Raise unless `found` (HF name -> shape, from a file header) is exactly what `arch` needs.
+
+    An unknown tensor is an error too: a Llama model would silently drop it (a bias, say)."""
+    expected = expected_shapes(arch)
+    missing = sorted(set(expected) - set(found), key=_layer_order)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(path, f"missing tensor {display(missing[0])}{more}")
+    unknown = sorted(set(found) - set(expected) - {ROPE_FREQ_FACTORS, "lm_head.weight"})
+    if unknown:
+        raise ModelLoadError(path, f"unexpected tensor {unknown[0]}: not part of a {arch.architecture} model")
+    for name, want in expected.items():
+        if tuple(found[name]) != want:
+            raise ModelLoadError(path, f"tensor {display(name)} has shape {tuple(found[name])}, expected {want}")
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    parts = name.split(".")
+    return (int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else -1, name)
