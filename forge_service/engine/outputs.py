@@ -14,15 +14,16 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     block_ids: list[int]
+    # True when this chunk reaches the last known token, so a new token is sampled. Fixed at
+    # scheduling time: after update() appends the sampled token the request has grown past it.
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.end == self.request.num_tokens
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the last known token, so a new token is sampled."""
-        return self.end == self.request.num_tokens
 
 
 @dataclass

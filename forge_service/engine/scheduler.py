@@ -1,0 +1,159 @@
+"""Continuous batching with chunked prefill and recompute preemption. Plain Python, no torch."""
+from __future__ import annotations
+
+from collections import deque
+
+from forge_service.config import SchedulerConfig
+from forge_service.engine.outputs import ScheduledChunk, SchedulerOutput
+from forge_service.engine.request import Request, RequestStatus
+from forge_service.errors import InvalidArgument
+from forge_service.kv_cache.manager import KVCacheManager
+
+
+class Scheduler:
+    """Decides, each step, which tokens of which requests the model computes.
+
+    There are no prefill and decode phases: each request's `num_computed_tokens` catches up
+    with its `num_tokens` (prompt + output) under a token budget. Running requests go first,
+    oldest first, then waiting ones in FIFO order. When KV blocks run out, the newest running
+    request is preempted: its blocks are freed and it is re-queued at the front of the waiting
+    queue, to be recomputed later over its prompt and the tokens it already generated.
+
+    Invariant: `running + waiting` is in arrival order (of `add`). Preemption moves the newest
+    running request to the front of the waiting queue and admission moves the oldest waiting one
+    to the back of `running`, so a re-admitted request keeps its seniority. Only running requests
+    hold blocks, so the oldest one always makes progress.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether `num_tokens` tokens fit in the whole KV cache (check prompts at admission)."""
+        return self.kv.blocks_needed(num_tokens) <= self.kv.num_blocks
+
+    def add(self, request: Request) -> None:
+        """Queue a request at the back. Raises InvalidArgument if its tokens could never fit."""
+        assert request.request_id not in self._requests, f"duplicate request id {request.request_id}"
+        if request.num_tokens == 0:
+            raise InvalidArgument("the prompt is empty")
+        if not self.can_ever_fit(request.num_tokens):
+            raise InvalidArgument(
+                f"the prompt needs {request.num_tokens} tokens of KV cache; it holds "
+                f"{self.kv.num_blocks * self.kv.block_size}")
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        # After a preemption memory is tight: admitting now would only thrash.
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests; append sampled tokens. Returns requests that got a token."""
+        got_token = []
+        for chunk in out.chunks:
+            request = chunk.request
+            if self._requests.get(request.request_id) is not request:
+                continue  # finished (aborted, stop string) since schedule()
+            assert request.num_computed_tokens == chunk.start, (request.request_id, chunk.start)
+            samples = chunk.samples  # before the new token moves num_tokens
+            request.num_computed_tokens += chunk.num_tokens
+            if samples:
+                self._append_token(request, sampled[request.request_id])
+                got_token.append(request)
+        return got_token
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (abort, stop string): dequeue it, free its blocks. None if unknown."""
+        assert status.finished, status
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self._remove(request, self.running if request.status is RequestStatus.RUNNING else self.waiting)
+        request.status = status
+        return request
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if n > 0:
+                block_ids = self._allocate_or_preempt(request, n, out)
+                if block_ids is None:
+                    break  # `request` was the newest and preempted itself
+                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n, block_ids))
+                budget -= n
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> list[int] | None:
+        """Blocks for n more tokens of `request`, preempting the newest running requests as needed."""
+        while True:
+            block_ids = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n)
+            if block_ids is not None:
+                return block_ids
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            block_ids = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n)
+            if block_ids is None:
+                return  # FIFO: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n, block_ids))
+            budget -= n
+
+    def _append_token(self, request: Request, token_id: int) -> None:
+        request.output_token_ids.append(token_id)
+        # The next step writes this token's KV; if the cache cannot hold it, stop here.
+        if not request.check_stop() and not self.can_ever_fit(request.num_tokens):
+            request.status = RequestStatus.FINISHED_LENGTH
+        if request.status.finished:
+            self._remove(request, self.running)
+
+    def _remove(self, request: Request, queue: list[Request] | deque[Request]) -> None:
+        del self._requests[request.request_id]
+        # By identity: Request is a dataclass, so == would compare every field.
+        index = next(i for i, r in enumerate(queue) if r is request)
+        del queue[index]
+        self.kv.free(request.request_id)

@@ -1,0 +1,108 @@
+"""BlockPool and KVCacheManager: exact block ids, ref counts, free order."""
+from __future__ import annotations
+
+import pytest
+
+from forge_service.kv_cache.block_pool import BlockPool
+from forge_service.kv_cache.manager import KVCacheManager
+
+
+def test_pool_allocates_in_order_and_exhaustion_returns_none():
+    pool = BlockPool(5)
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.allocate(0) == []
+    assert pool.allocate(3) is None  # never partial
+    assert pool.num_free == 2
+    assert pool.allocate(2) == [3, 4]
+    assert pool.allocate(1) is None
+    assert pool.num_free == 0 and pool.num_blocks == 5
+
+
+def test_pool_free_queue_is_fifo():
+    pool = BlockPool(4)
+    pool.allocate(4)
+    pool.free([2])
+    pool.free([0, 3])
+    assert pool.free_block_ids() == [2, 0, 3]
+    assert pool.allocate(2) == [2, 0]
+    assert pool.free_block_ids() == [3]
+
+
+def test_pool_ref_counts():
+    pool = BlockPool(3)
+    a = pool.allocate(2)
+    pool.incref([a[0]])
+    assert pool.ref_counts == [2, 1, 0]
+    pool.free(a)
+    assert pool.ref_counts == [1, 0, 0]
+    assert pool.free_block_ids() == [2, 1]
+    pool.free([a[0]])
+    assert pool.free_block_ids() == [2, 1, 0]
+    with pytest.raises(AssertionError):
+        pool.free([0])
+
+
+def test_pool_cached_block_survives_free_until_reused():
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    pool.cache_block(a, block_hash=111)
+    pool.cache_block(b, block_hash=222)
+    pool.free([a, b, c])  # queue: a, b, c
+    assert pool.get_cached_block(222) == b
+    # A prefix hit revives b from the middle of the free queue.
+    pool.incref([b])
+    assert pool.free_block_ids() == [a, c]
+    assert pool.ref_counts[b] == 1
+    # Reusing a (the least recently freed) evicts its hash; b keeps its.
+    assert pool.allocate(1) == [a]
+    assert pool.get_cached_block(111) is None
+    assert pool.block_hashes[a] is None
+    assert pool.get_cached_block(222) == b
+
+
+def test_pool_cache_block_keeps_the_first_block_for_a_hash():
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, 7)
+    pool.cache_block(b, 7)
+    assert pool.get_cached_block(7) == a and pool.block_hashes[b] is None
+
+
+def test_manager_grows_tables_at_block_boundaries():
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    assert kv.allocate_slots("a", 1) == [0]
+    assert kv.allocate_slots("a", 4) == [0]
+    assert kv.allocate_slots("a", 5) == [0, 1]
+    assert kv.allocate_slots("b", 9) == [2, 3, 4]
+    assert kv.allocate_slots("a", 8) == [0, 1]
+    assert kv.block_ids("a") == [0, 1] and kv.block_ids("b") == [2, 3, 4]
+    assert (kv.num_used_blocks, kv.num_free_blocks) == (5, 1)
+    assert kv.usage == pytest.approx(5 / 6)
+
+
+def test_manager_returns_copies_of_tables():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    table = kv.allocate_slots("a", 2)
+    kv.allocate_slots("a", 3)
+    assert table == [0]
+    assert kv.block_ids("a") == [0, 1]
+
+
+def test_manager_shortage_allocates_nothing():
+    kv = KVCacheManager(num_blocks=3, block_size=2)
+    kv.allocate_slots("a", 3)
+    assert kv.allocate_slots("a", 7) is None  # needs 2 more, 1 free
+    assert kv.block_ids("a") == [0, 1] and kv.num_free_blocks == 1
+    assert kv.allocate_slots("b", 5) is None
+    assert kv.block_ids("b") == [] and kv.num_free_blocks == 1
+
+
+def test_manager_free_is_idempotent_and_frees_tail_first():
+    kv = KVCacheManager(num_blocks=4, block_size=1)
+    kv.allocate_slots("a", 3)
+    kv.free("a")
+    kv.free("a")
+    kv.free("never-seen")
+    assert kv.num_free_blocks == 4 and kv.usage == 0.0
+    assert kv.pool.free_block_ids() == [3, 2, 1, 0]
+    assert kv.allocate_slots("b", 2) == [3, 2]
