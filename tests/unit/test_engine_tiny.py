@@ -1,0 +1,138 @@
+"""The engine on tiny random-weight Llamas: logits equal transformers', and every stopping rule."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forge_service import LLM, SamplingParams
+from forge_service.errors import InvalidArgument
+from tests.tiny_models import CHATML_TEMPLATE, random_weights, tiny_arch, tiny_tokenizer_json, write_safetensors_dir
+
+
+def sharp_weights(arch, seed=0):
+    """Random weights with confident logits, so greedy choices are far from ties."""
+    w = random_weights(arch, seed)
+    w["model.embed_tokens.weight"] *= 50
+    if "lm_head.weight" in w:
+        w["lm_head.weight"] *= 50
+    return w
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    arch = tiny_arch()
+    root = tmp_path_factory.mktemp("tiny")
+    write_safetensors_dir(root, arch, sharp_weights(arch), tokenizer_json=tiny_tokenizer_json(),
+                          chat_template=CHATML_TEMPLATE)
+    return root
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(model=str(tiny_dir), dtype="float32", max_num_batched_tokens=64)
+
+
+def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def hf_greedy(model_dir, ids: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}])
+def test_forward_matches_transformers(tmp_path, rope_scaling):
+    arch = tiny_arch(rope_scaling=rope_scaling, tie_word_embeddings=rope_scaling is not None)
+    write_safetensors_dir(tmp_path, arch, sharp_weights(arch, seed=3), tokenizer_json=tiny_tokenizer_json())
+    ids = list(range(3, 60))
+    llm = LLM(model=str(tmp_path), dtype="float32")
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0].outputs[0]
+    ref = torch.log_softmax(hf_logits(tmp_path, ids)[-1], -1)
+    assert out.token_ids == [int(ref.argmax())]
+    assert abs(out.logprobs[0][0].logprob - float(ref.max())) < 1e-4
+    top = [lp.token_id for lp in out.logprobs[0][1:]]
+    assert top == ref.topk(5).indices.tolist()
+
+
+def test_greedy_decode_matches_transformers_across_chunks(tiny_dir):
+    ids = list(range(5, 150))  # 145 tokens: three prefill chunks under a 64-token budget
+    llm = LLM(model=str(tiny_dir), dtype="float32", max_num_batched_tokens=64)
+    ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    assert ours.token_ids == hf_greedy(tiny_dir, ids, 20)
+    assert ours.finish_reason == "length"
+
+
+def test_batch_equals_solo_with_preemption(tiny_dir):
+    prompts = [list(range(3 + i, 3 + i + 10 + 7 * i)) for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    big = LLM(model=str(tiny_dir), dtype="float32")
+    alone = [big.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    small = LLM(model=str(tiny_dir), dtype="float32", num_blocks=12, block_size=8, max_num_batched_tokens=32)
+    together = [o.outputs[0].token_ids for o in small.generate(prompts, params)]
+    assert together == alone
+    assert small.engine.num_preemptions > 0
+    assert small.engine.kv.num_used_blocks == 0
+
+
+def test_n_completions_and_seeds(llm):
+    p = SamplingParams(temperature=1.0, n=3, seed=11, max_tokens=8, ignore_eos=True)
+    a = llm.generate(["hello"], p)[0]
+    b = llm.generate(["hello"], p)[0]
+    assert [o.index for o in a.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1  # each completion has its own seed
+    assert a.usage["completion_tokens"] == 24
+
+
+def test_stop_token_ids_and_eos(llm):
+    first = llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    stop_at = first.token_ids[2]
+    out = llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop_at],
+                                               ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == first.token_ids[:first.token_ids.index(stop_at) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+def test_stop_string_cuts_text(llm):
+    first = llm.generate(["xyz"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    stop = first.text[3:5]
+    assert stop
+    out = llm.generate(["xyz"], SamplingParams(temperature=0, max_tokens=10, stop=[stop], ignore_eos=True))[0]
+    o = out.outputs[0]
+    assert o.finish_reason == "stop" and o.stop_reason == stop
+    assert o.text == first.text[:first.text.index(stop)]
+    kept = llm.generate(["xyz"], SamplingParams(temperature=0, max_tokens=10, stop=[stop], ignore_eos=True,
+                                                include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == first.text[:first.text.index(stop) + len(stop)]
+
+
+def test_chat_uses_template(llm):
+    conv = [{"role": "user", "content": "hi"}]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=2))[0]
+    assert out.prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert out.prompt_token_ids == llm.tokenizer.encode(out.prompt, add_special_tokens=False)
+
+
+def test_over_long_prompt_is_rejected_with_counts(llm):
+    with pytest.raises(InvalidArgument, match=r"250 tokens.*max_tokens is 10.*260.*256 by 4"):
+        llm.generate([[5] * 250], SamplingParams(max_tokens=10))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_bad_parameters_are_rejected(llm):
+    for bad in (SamplingParams(temperature=-1), SamplingParams(top_p=0), SamplingParams(logit_bias={10_000: 1.0}),
+                SamplingParams(logprobs=99), SamplingParams(n=0)):
+        with pytest.raises(InvalidArgument):
+            llm.generate(["hi"], bad)
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        llm.generate([[5, 999_999]], SamplingParams())
