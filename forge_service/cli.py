@@ -31,16 +31,18 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from forge_service.config import ServiceConfig, engine_config_from_env, from_env
+    from forge_service.__main__ import configs_from_args, setup_logging
     from forge_service.serve import run_all
 
-    engine_config = engine_config_from_env(model=args.model, dtype=args.dtype)
-    service_config = from_env(ServiceConfig, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
-                              api_key=args.api_key)
-    return run_all(engine_config, service_config) or 0
+    engine_config, service_config = configs_from_args(args)
+    setup_logging(service_config.log_level)
+    run_all(engine_config, service_config)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from forge_service.__main__ import add_arguments
+
     parser = argparse.ArgumentParser(prog="forge", description="Forge LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate offline from one prompt")
@@ -52,14 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="print JSON with token ids and usage")
-    serve = sub.add_parser("serve", help="start the gRPC service and the OpenAI gateway")
-    serve.add_argument("--grpc-port", type=int, default=None)
-    serve.add_argument("--http-port", type=int, default=None)
-    serve.add_argument("--host", default=None)
-    serve.add_argument("--api-key", default=None)
-    for p in (gen, serve):
-        p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)")
-        p.add_argument("--dtype", default=None if p is serve else "auto", choices=["auto", "float32", "bfloat16"])
+    serve = sub.add_parser("serve", help="start the gRPC service and the OpenAI gateway (flags also read FORGE_*)")
+    add_arguments(serve)
+    gen.add_argument("--model", default=None, help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     gen.set_defaults(func=_generate)
     serve.set_defaults(func=_serve)
     return parser

@@ -96,9 +96,10 @@ def engine_config_from_env(env: Mapping[str, str] | None = None, **overrides: An
         names = {f.name for f in fields(cls)}
         return {k: v for k, v in overrides.items() if k in names}
 
-    return EngineConfig(
+    return from_env(
+        EngineConfig, env,
         model=from_env(ModelConfig, env, **pick(ModelConfig)),
         cache=from_env(CacheConfig, env, **pick(CacheConfig)),
         scheduler=from_env(SchedulerConfig, env, **pick(SchedulerConfig)),
-        num_threads=int((os.environ if env is None else env).get("FORGE_NUM_THREADS", overrides.get("num_threads") or 0)),
+        num_threads=overrides.get("num_threads"),
     )

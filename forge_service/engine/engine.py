@@ -90,7 +90,7 @@ class LLMEngine:
         """Validate and queue a prompt; raises InvalidArgument or QueueFull."""
         if request_id in self.parents:
             raise InvalidArgument(f"request id {request_id!r} is already in use")
-        self._validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params)
         bound = self.config.scheduler.max_waiting
         if bound and self.scheduler.num_waiting + params.n > bound:
             raise QueueFull(f"the waiting queue is full ({self.scheduler.num_waiting} of {bound})")
@@ -111,7 +111,9 @@ class LLMEngine:
             seed=None if params.seed is None else params.seed + index,
         )
 
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise InvalidArgument for bad parameters or a request that cannot fit; thread-safe
+        (reads only state fixed at load time)."""
         params.validate(self.arch.vocab_size)
         if not prompt:
             raise InvalidArgument("the prompt is empty: it needs at least one token")

@@ -1,0 +1,286 @@
+"""The OpenAI-compatible REST gateway: JSON and SSE in front of the Forge gRPC service.
+
+It holds no tokenizer and no model code: every request becomes one gRPC call per prompt.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import grpc
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from forge_gateway import convert
+from forge_gateway.config import GatewayConfig
+from forge_gateway.errors import GatewayError, from_grpc, internal_error, unauthorized, validation_error
+from forge_gateway.models import ChatCompletionRequest, CompletionRequest
+from forge_service.pb import forge_pb2 as pb
+from forge_service.pb import forge_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+_CLOSED_BY_CLIENT = 499  # nginx's code; nobody reads it, the client is gone
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; its gRPC calls were cancelled."""
+
+
+def create_app(config: GatewayConfig, channel: grpc.aio.Channel | None = None) -> FastAPI:
+    """The ASGI app. Without `channel`, one to config.target is opened at startup."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if channel is not None:
+            yield
+            return
+        own = grpc.aio.insecure_channel(config.target, options=CHANNEL_OPTIONS)
+        app.state.stub = pb_grpc.ForgeStub(own)
+        try:
+            yield
+        finally:
+            await own.close()
+
+    app = FastAPI(title="Forge gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.config = config
+    if channel is not None:
+        app.state.stub = pb_grpc.ForgeStub(channel)
+    _install_error_handlers(app, config)
+    _add_routes(app, config)
+    return app
+
+
+def _install_error_handlers(app: FastAPI, config: GatewayConfig) -> None:
+    async def gateway_error(request: Request, error: Exception) -> Response:
+        assert isinstance(error, GatewayError)
+        return error.response(config.retry_after_s)
+
+    async def invalid(request: Request, error: Exception) -> Response:
+        assert isinstance(error, RequestValidationError)
+        return validation_error(list(error.errors())).response()
+
+    async def http_error(request: Request, error: Exception) -> Response:
+        assert isinstance(error, StarletteHTTPException)
+        return GatewayError(error.status_code, str(error.detail), code=None).response(config.retry_after_s)
+
+    app.add_exception_handler(GatewayError, gateway_error)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+
+
+def _add_routes(app: FastAPI, config: GatewayConfig) -> None:
+    def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise unauthorized("missing API key: send `Authorization: Bearer <key>`")
+        if not secrets.compare_digest(token.encode(), config.api_key.encode()):
+            raise unauthorized("incorrect API key provided")
+
+    auth = [Depends(authorize)]
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _guard(_chat(request, body, config))
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _guard(_completions(request, body, config))
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models(request: Request) -> Response:
+        return await _guard(_models(request))
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        return await _health(request)
+
+
+async def _guard(work: Awaitable[Response]) -> Response:
+    """Every route's one error funnel: typed errors pass, gRPC errors map, bugs get an id."""
+    try:
+        return await work
+    except GatewayError:
+        raise
+    except ClientDisconnected:
+        return Response(status_code=_CLOSED_BY_CLIENT)
+    except grpc.aio.AioRpcError as error:
+        raise from_grpc(error) from None
+    except Exception as error:
+        raise internal_error(error) from None
+
+
+def _stub(request: Request) -> pb_grpc.ForgeStub:
+    return request.app.state.stub
+
+
+def _ids(request: Request, prefix: str) -> tuple[str, str]:
+    """(gRPC request id, OpenAI response id): the client's X-Request-Id or a fresh one."""
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    return request_id, f"{prefix}-{request_id}"
+
+
+def _timeout(request: Request, config: GatewayConfig) -> float:
+    header = request.headers.get("x-request-timeout")
+    try:
+        return min(float(header), config.request_timeout_s) if header else config.request_timeout_s
+    except ValueError:
+        raise GatewayError(400, f"X-Request-Timeout must be a number of seconds, got {header!r}") from None
+
+
+async def _chat(request: Request, body: ChatCompletionRequest, config: GatewayConfig) -> Response:
+    request_id, response_id = _ids(request, "chatcmpl")
+    message = convert.chat_request(body, request_id)
+    created, timeout = int(time.time()), _timeout(request, config)
+    if body.stream:
+        formatter = convert.ChatStream(response_id, created, body.model, body.n, body.logprobs, body.include_usage)
+        return await _stream(request, [message], formatter, timeout)
+    call = _stub(request).Generate(message, timeout=timeout)
+    response = await _unless_disconnected(request, call, _canceller([call]))
+    return JSONResponse(convert.chat_completion(response, response_id, created, body.model, body.logprobs))
+
+
+async def _completions(request: Request, body: CompletionRequest, config: GatewayConfig) -> Response:
+    request_id, response_id = _ids(request, "cmpl")
+    messages = convert.completion_requests(body, request_id)
+    created, timeout = int(time.time()), _timeout(request, config)
+    want_logprobs = body.logprobs is not None
+    if body.stream:
+        formatter = convert.CompletionStream(response_id, created, body.model, body.n, want_logprobs,
+                                             body.include_usage)
+        return await _stream(request, messages, formatter, timeout)
+    calls = [_stub(request).Generate(m, timeout=timeout) for m in messages]
+    responses = await _unless_disconnected(request, asyncio.gather(*calls), _canceller(calls))
+    return JSONResponse(convert.text_completion(responses, response_id, created, body.model, body.n, want_logprobs))
+
+
+async def _models(request: Request) -> Response:
+    response = await _stub(request).ListModels(pb.ListModelsRequest(), timeout=10)
+    data = [{"id": m.id, "object": "model", "created": m.created, "owned_by": "forge", "root": m.id,
+             "max_model_len": m.max_model_len} for m in response.models]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def _health(request: Request) -> Response:
+    """200 when the service is ready, 503 otherwise (loading, draining, unreachable)."""
+    try:
+        state = await _stub(request).Health(pb.HealthRequest(), timeout=5)
+    except grpc.aio.AioRpcError as error:
+        return JSONResponse({"status": "unavailable", "detail": error.details() or error.code().name}, 503)
+    body = {"status": pb.ServingState.Name(state.state).removeprefix("SERVING_STATE_").lower(),
+            "model": state.model, "num_waiting": state.num_waiting, "num_running": state.num_running,
+            "kv_cache_usage": state.kv_cache_usage, "kv_blocks_used": state.kv_blocks_used,
+            "kv_blocks_total": state.kv_blocks_total}
+    return JSONResponse(body, status_code=200 if state.ready else 503)
+
+
+async def _unless_disconnected(request: Request, awaitable: Awaitable[Any], cancel: Callable[[], None]) -> Any:
+    """Await gRPC work; `cancel` its calls if the HTTP client disconnects first or it fails."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+    except BaseException:
+        cancel()
+        raise
+    finally:
+        watcher.cancel()
+    cancel()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+        await work
+    log.info("client disconnected; cancelled its gRPC calls")
+    raise ClientDisconnected()
+
+
+def _canceller(calls: list[Any]) -> Callable[[], None]:
+    def cancel() -> None:
+        for call in calls:
+            call.cancel()
+
+    return cancel
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _stream(request: Request, messages: list[pb.GenerateRequest], formatter: convert._Stream,
+                  timeout: float) -> Response:
+    """Start the streams; errors before the first message are HTTP errors, later ones SSE events."""
+    calls = [_stub(request).Stream(m, timeout=timeout) for m in messages]
+    merged = _merge(calls)
+    try:
+        first = await _unless_disconnected(request, merged.__anext__(), _canceller(calls))
+    except BaseException:
+        await merged.aclose()
+        raise
+    return StreamingResponse(_sse(first, merged, formatter), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _merge(calls: list[Any]) -> AsyncIterator[tuple[int, pb.StreamResponse]]:
+    """(prompt index, message) from several server streams as they arrive; cancels them on exit."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(index: int, call: Any) -> None:
+        try:
+            async for message in call:
+                await queue.put((index, message))
+            await queue.put((index, None))
+        except Exception as error:  # handed to the consumer, which raises it
+            await queue.put((index, error))
+
+    tasks = [asyncio.create_task(pump(i, call)) for i, call in enumerate(calls)]
+    try:
+        remaining = len(calls)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for call in calls:
+            call.cancel()
+        for task in tasks:
+            task.cancel()
+
+
+def _sse_event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _sse(first: tuple[int, pb.StreamResponse], rest: AsyncIterator[tuple[int, pb.StreamResponse]],
+               formatter: convert._Stream) -> AsyncIterator[str]:
+    try:
+        for chunk in formatter.start() + formatter.on_message(*first):
+            yield _sse_event(chunk)
+        async for index, message in rest:
+            for chunk in formatter.on_message(index, message):
+                yield _sse_event(chunk)
+        for chunk in formatter.end():
+            yield _sse_event(chunk)
+    except grpc.aio.AioRpcError as error:
+        yield _sse_event(from_grpc(error).body())
+    except Exception as error:  # a bug mid-stream: report it in the stream, with an id
+        yield _sse_event(internal_error(error).body())
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+    yield "data: [DONE]\n\n"

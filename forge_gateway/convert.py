@@ -1,0 +1,220 @@
+"""OpenAI JSON <-> forge.v1 protos: requests become GenerateRequests; responses and stream
+messages become OpenAI's chat.completion(.chunk) and text_completion objects."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from forge_gateway.models import ChatCompletionRequest, CompletionRequest, _Common
+from forge_service.pb import forge_pb2 as pb
+
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                  pb.FINISH_REASON_ABORT: "abort"}
+# OpenAI's "developer" role is its newer name for "system"; chat templates know "system".
+_ROLES = {"developer": "system"}
+
+
+# ---- requests ------------------------------------------------------------------------
+
+def _sampling(req: _Common) -> pb.SamplingParameters:
+    sampling = pb.SamplingParameters(
+        top_k=req.top_k or 0, min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()})
+    for name in ("temperature", "top_p", "repetition_penalty", "seed"):
+        if getattr(req, name) is not None:
+            setattr(sampling, name, getattr(req, name))
+    return sampling
+
+
+def _stopping(req: _Common, max_tokens: int | None) -> pb.StoppingParameters:
+    stopping = pb.StoppingParameters(
+        stop=req.stop_list, stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens)
+    if max_tokens is not None:
+        stopping.max_tokens = max_tokens
+    return stopping
+
+
+def chat_request(req: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
+    messages = [pb.ChatMessage(role=_ROLES.get(m.role, m.role), content=m.text(), name=m.name or "")
+                for m in req.messages]
+    return pb.GenerateRequest(
+        model=req.model, request_id=request_id, chat=pb.ChatInput(messages=messages), n=req.n,
+        sampling=_sampling(req), stopping=_stopping(req, req.output_limit),
+        logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+
+
+def completion_requests(req: CompletionRequest, request_id: str) -> list[pb.GenerateRequest]:
+    """One GenerateRequest per prompt (OpenAI accepts a batch of prompts)."""
+    prompts = req.prompts()
+    out = []
+    for i, prompt in enumerate(prompts):
+        message = pb.GenerateRequest(
+            model=req.model, request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}", n=req.n,
+            sampling=_sampling(req), stopping=_stopping(req, req.max_tokens),
+            logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0)
+        if isinstance(prompt, str):
+            message.text = prompt
+        else:
+            message.token_ids.ids.extend(prompt)
+        out.append(message)
+    return out
+
+
+# ---- pieces of responses -------------------------------------------------------------
+
+def _finite(logprob: float) -> float:
+    # JSON has no -Infinity; OpenAI reports impossible tokens as -9999.
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _stop_reason(message: Any) -> int | str | None:
+    which = message.WhichOneof("matched_stop")
+    return getattr(message, which) if which else None
+
+
+def _chat_token(entry: pb.TokenLogprob) -> dict[str, Any]:
+    return {"token": entry.token, "logprob": _finite(entry.logprob), "bytes": list(entry.bytes)}
+
+
+def chat_logprobs(positions: Any) -> dict[str, Any]:
+    content = [{**_chat_token(p.chosen), "top_logprobs": [_chat_token(t) for t in p.top]} for p in positions]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(positions: Any, offset: int) -> dict[str, Any]:
+    """OpenAI's legacy logprobs; text_offset counts characters from `offset`."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for p in positions:
+        tokens.append(p.chosen.token)
+        token_logprobs.append(_finite(p.chosen.logprob))
+        alternatives = {t.token: _finite(t.logprob) for t in p.top}
+        alternatives.setdefault(p.chosen.token, _finite(p.chosen.logprob))
+        top.append(alternatives)
+        offsets.append(offset)
+        offset += len(p.chosen.token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+# ---- whole (non-streaming) responses -------------------------------------------------
+
+def chat_completion(resp: pb.GenerateResponse, response_id: str, created: int, model: str,
+                    want_logprobs: bool) -> dict[str, Any]:
+    choices = [{
+        "index": c.index,
+        "message": {"role": "assistant", "content": c.text, "refusal": None},
+        "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
+        "finish_reason": FINISH_REASONS.get(c.finish_reason),
+        "stop_reason": _stop_reason(c),
+    } for c in resp.choices]
+    return {"id": response_id, "object": "chat.completion", "created": created, "model": resp.model or model,
+            "choices": choices, "system_fingerprint": None,
+            "usage": usage(resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.cached_tokens)}
+
+
+def text_completion(resps: list[pb.GenerateResponse], response_id: str, created: int, model: str,
+                    n: int, want_logprobs: bool) -> dict[str, Any]:
+    choices = []
+    for p, resp in enumerate(resps):
+        for c in resp.choices:
+            choices.append({"index": p * n + c.index, "text": c.text,
+                            "logprobs": completion_logprobs(c.logprobs, 0) if want_logprobs else None,
+                            "finish_reason": FINISH_REASONS.get(c.finish_reason), "stop_reason": _stop_reason(c)})
+    total = [sum(getattr(r.usage, f) for r in resps) for f in ("prompt_tokens", "completion_tokens", "cached_tokens")]
+    return {"id": response_id, "object": "text_completion", "created": created,
+            "model": (resps[0].model if resps else "") or model, "choices": choices,
+            "system_fingerprint": None, "usage": usage(*total)}
+
+
+# ---- streams -------------------------------------------------------------------------
+
+class _Stream:
+    """Turns stream messages from one or more prompts into OpenAI chunk objects."""
+
+    object_name = ""
+
+    def __init__(self, response_id: str, created: int, model: str, n: int, want_logprobs: bool,
+                 include_usage: bool) -> None:
+        self.response_id, self.created, self.model, self.n = response_id, created, model, n
+        self.want_logprobs, self.include_usage = want_logprobs, include_usage
+        self.prompt_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}
+        self.completion_tokens = 0
+
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        out = {"id": self.response_id, "object": self.object_name, "created": self.created, "model": self.model,
+               "system_fingerprint": None, "choices": choices}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def start(self) -> list[dict[str, Any]]:
+        return []
+
+    def on_message(self, prompt: int, message: pb.StreamResponse) -> list[dict[str, Any]]:
+        if message.HasField("chunk"):
+            choice = self._delta(prompt * self.n + message.chunk.index, message.chunk)
+            return [self.chunk([choice])] if choice else []
+        final = message.final
+        self.prompt_tokens[prompt] = final.usage.prompt_tokens
+        self.cached_tokens[prompt] = final.usage.cached_tokens
+        self.completion_tokens += final.usage.completion_tokens
+        return [self.chunk([self._final(prompt * self.n + final.index, final)])]
+
+    def end(self) -> list[dict[str, Any]]:
+        if not self.include_usage:
+            return []
+        total = usage(sum(self.prompt_tokens.values()), self.completion_tokens, sum(self.cached_tokens.values()))
+        return [{**self.chunk([]), "usage": total}]
+
+    def _delta(self, index: int, chunk: pb.StreamChunk) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _final(self, index: int, final: pb.StreamFinal) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class ChatStream(_Stream):
+    object_name = "chat.completion.chunk"
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]) for i in range(self.n)]
+
+    def _delta(self, index: int, chunk: pb.StreamChunk) -> dict[str, Any] | None:
+        if not chunk.text and not (self.want_logprobs and chunk.logprobs):
+            return None  # tokens held back (a possible stop string): nothing to show yet
+        return {"index": index, "delta": {"content": chunk.text},
+                "logprobs": chat_logprobs(chunk.logprobs) if self.want_logprobs else None, "finish_reason": None}
+
+    def _final(self, index: int, final: pb.StreamFinal) -> dict[str, Any]:
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": FINISH_REASONS.get(final.finish_reason),
+                "stop_reason": _stop_reason(final)}
+
+
+class CompletionStream(_Stream):
+    object_name = "text_completion"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.offsets: dict[int, int] = {}
+
+    def _delta(self, index: int, chunk: pb.StreamChunk) -> dict[str, Any] | None:
+        if not chunk.text and not (self.want_logprobs and chunk.logprobs):
+            return None
+        logprobs = None
+        if self.want_logprobs:
+            logprobs = completion_logprobs(chunk.logprobs, self.offsets.get(index, 0))
+            self.offsets[index] = self.offsets.get(index, 0) + sum(len(p.chosen.token) for p in chunk.logprobs)
+        return {"index": index, "text": chunk.text, "logprobs": logprobs, "finish_reason": None}
+
+    def _final(self, index: int, final: pb.StreamFinal) -> dict[str, Any]:
+        return {"index": index, "text": "", "logprobs": None, "finish_reason": FINISH_REASONS.get(final.finish_reason),
+                "stop_reason": _stop_reason(final)}

@@ -1,0 +1,150 @@
+"""OpenAI request bodies (pydantic). Ranges the service checks itself are only typed here, so
+that every range error reads the same whichever door a request came in by."""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_INT32 = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=_INT32)]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> TextPart:
+        if self.type != "text" or self.text is None:
+            raise ValueError(f"content parts of type {self.type!r} are not supported; only 'text'")
+        return self
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text or "" for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by /v1/chat/completions and /v1/completions (OpenAI + vLLM extensions)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    n: int = Field(1, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = Field(None, ge=-1, le=_INT32)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) <= _INT32:
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _non_negative(cls, value: list[int] | None) -> list[int] | None:
+        if any(not 0 <= t <= _INT32 for t in value or []):
+            raise ValueError("token ids must be non-negative integers")
+        return value
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=_INT32)
+    max_completion_tokens: int | None = Field(None, ge=1, le=_INT32)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=_INT32)
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> ChatCompletionRequest:
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format other than 'text' is not supported yet")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+class CompletionRequest(_Common):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1, le=_INT32)
+    logprobs: int | None = Field(None, ge=0, le=_INT32)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
+        if not self.prompts():
+            raise ValueError("prompt is empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]

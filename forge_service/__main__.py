@@ -1,0 +1,65 @@
+"""`python -m forge_service`: the gRPC service alone. Every flag also reads FORGE_<NAME>."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from forge_service.config import EngineConfig, ServiceConfig, engine_config_from_env, from_env
+
+# (flag, config field, type, help). Unset flags fall back to FORGE_* variables, then defaults.
+ENGINE_FLAGS = [
+    ("--model", "model", str, "path to a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)"),
+    ("--served-model-name", "served_model_name", str, "name clients use for the model"),
+    ("--dtype", "dtype", str, "auto, float32 or bfloat16"),
+    ("--device", "device", str, "cpu or cuda"),
+    ("--max-model-len", "max_model_len", int, "cap on the context length"),
+    ("--block-size", "block_size", int, "tokens per KV-cache block"),
+    ("--kv-cache-bytes", "kv_cache_bytes", int, "memory for the KV cache"),
+    ("--num-blocks", "num_blocks", int, "number of KV-cache blocks (overrides --kv-cache-bytes)"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget per step"),
+    ("--max-num-seqs", "max_num_seqs", int, "most requests running at once"),
+    ("--max-waiting", "max_waiting", int, "most requests waiting; past it RESOURCE_EXHAUSTED (0: unbounded)"),
+    ("--num-threads", "num_threads", int, "torch CPU threads (0: torch's default)"),
+]
+SERVICE_FLAGS = [
+    ("--host", "host", str, "address to bind"),
+    ("--grpc-port", "grpc_port", int, "gRPC port"),
+    ("--http-port", "http_port", int, "gateway HTTP port (forge serve)"),
+    ("--drain-timeout-s", "drain_timeout_s", float, "how long in-flight requests may run after SIGTERM"),
+    ("--api-key", "api_key", str, "require `Authorization: Bearer <key>` at the gateway"),
+    ("--log-level", "log_level", str, "debug, info, warning or error"),
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser, service_flags: bool = True) -> None:
+    """Add the engine (and service) flags; `forge serve` reuses this."""
+    for flag, dest, kind, help_text in ENGINE_FLAGS + (SERVICE_FLAGS if service_flags else []):
+        parser.add_argument(flag, dest=dest, type=kind, default=None, help=help_text)
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServiceConfig]:
+    """Flags override FORGE_* variables, which override the dataclass defaults."""
+    values = vars(args)
+    engine = engine_config_from_env(**{dest: values.get(dest) for _, dest, _, _ in ENGINE_FLAGS})
+    service = from_env(ServiceConfig, **{dest: values.get(dest) for _, dest, _, _ in SERVICE_FLAGS})
+    return engine, service
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m forge_service", description="Forge gRPC service")
+    add_arguments(parser)
+    engine_config, service_config = configs_from_args(parser.parse_args(argv))
+    setup_logging(service_config.log_level)
+    from forge_service.server import serve
+
+    serve(engine_config, service_config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""`forge serve`: the gRPC service and the OpenAI gateway in one process and one event loop.
+
+The gateway reaches the service over loopback gRPC, exactly as it would across machines.
+On SIGTERM the service drains first (the gateway answers 503 to new work meanwhile), then the
+gateway and the gRPC server stop.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Iterator
+
+import uvicorn
+
+from forge_gateway.app import create_app
+from forge_gateway.config import GatewayConfig
+from forge_service.config import EngineConfig, ServiceConfig
+from forge_service.server import ForgeService, build_service
+
+log = logging.getLogger(__name__)
+# How long uvicorn waits for open HTTP connections once the service has drained.
+_HTTP_GRACE_S = 5
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: ForgeService.run owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def gateway_config(service_config: ServiceConfig, grpc_port: int) -> GatewayConfig:
+    target_host = "127.0.0.1" if service_config.host in ("0.0.0.0", "::", "") else service_config.host
+    return GatewayConfig(target=f"{target_host}:{grpc_port}", host=service_config.host,
+                         http_port=service_config.http_port, api_key=service_config.api_key,
+                         log_level=service_config.log_level)
+
+
+async def run_all_async(service: ForgeService, service_config: ServiceConfig,
+                        stop: asyncio.Event | None = None) -> None:
+    """Start `service` and a gateway in front of it; return after SIGTERM/SIGINT (or `stop`) and a drain."""
+    port = await service.start()
+    config = gateway_config(service_config, port)
+    http = _Uvicorn(uvicorn.Config(create_app(config), host=config.host, port=config.http_port,
+                                   log_level=config.log_level, timeout_graceful_shutdown=_HTTP_GRACE_S))
+    gateway = asyncio.create_task(http.serve())
+    try:
+        await service.run(stop)  # loads, serves, and on a signal drains and stops the gRPC server
+    finally:
+        http.should_exit = True
+        await gateway
+
+
+def run_all(engine_config: EngineConfig, service_config: ServiceConfig) -> None:
+    """Run the gRPC service and the gateway until SIGTERM/SIGINT; returns after a clean drain."""
+    asyncio.run(run_all_async(build_service(engine_config, service_config), service_config))

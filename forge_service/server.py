@@ -1,0 +1,331 @@
+"""The gRPC service on grpc.aio: the Forge servicer, health, reflection, loading and draining."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Iterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from forge_service import convert
+from forge_service.config import EngineConfig, ServiceConfig
+from forge_service.engine.async_engine import AsyncEngine, SyncEngine
+from forge_service.errors import ForgeError, ModelNotFound, Unavailable, grpc_status
+from forge_service.pb import forge_pb2 as pb
+from forge_service.pb import forge_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Forge"].full_name  # "forge.v1.Forge"
+_SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+]
+
+
+class Phase(enum.Enum):
+    LOADING = pb.SERVING_STATE_LOADING
+    READY = pb.SERVING_STATE_READY
+    DRAINING = pb.SERVING_STATE_DRAINING
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What the servicer needs once the engine is up."""
+
+    engine: AsyncEngine
+    tokenizer: Any
+    name: str
+    max_model_len: int
+    created: int
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    request_id: str
+    prompt: list[int]
+    params: Any
+
+
+class ForgeServicer(pb_grpc.ForgeServicer):
+    """forge.v1.Forge: proto <-> engine types, cancellation, deadlines, status codes."""
+
+    def __init__(self, service: ForgeService) -> None:
+        self._service = service
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        async with self._rpc(context) as model:
+            prepared = _prepare(request, model)
+            result = convert.GenerateAccumulator(prepared.request_id, model.name, len(prepared.prompt))
+            async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
+                async for output in outputs:
+                    result.add(output)
+            return result.response()
+
+    async def Stream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        async with self._rpc(context) as model:
+            prepared = _prepare(request, model)
+            encoder = convert.StreamEncoder(prepared.request_id, len(prepared.prompt))
+            async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
+                async for output in outputs:
+                    for message in encoder.messages(output):
+                        await context.write(message)
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        return self._service.health_response()
+
+    async def ListModels(self, request: pb.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        model = self._service.model
+        if model is None:
+            return pb.ListModelsResponse()
+        info = pb.ModelInfo(id=model.name, max_model_len=model.max_model_len, created=model.created)
+        return pb.ListModelsResponse(models=[info])
+
+    @contextlib.asynccontextmanager
+    async def _rpc(self, context: grpc.aio.ServicerContext) -> AsyncIterator[LoadedModel]:
+        """Admission, the RPC's deadline, and the one mapping from errors to status codes."""
+        deadline = asyncio.timeout(_time_remaining(context))
+        try:
+            with self._service.track() as model:
+                async with deadline:
+                    yield model
+        except TimeoutError as error:
+            if not deadline.expired():
+                await _abort_internal(context, error)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before generation finished")
+        except ForgeError as error:
+            await context.abort(grpc_status(error), str(error))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as error:  # a bug: INTERNAL with an id that is also in the log
+            await _abort_internal(context, error)
+
+
+def _prepare(request: pb.GenerateRequest, model: LoadedModel) -> _Prepared:
+    if request.model and request.model != model.name:
+        raise ModelNotFound(f"model {request.model!r} is not served here; this server serves {model.name!r}")
+    params = convert.sampling_params(request)
+    params.validate(model.tokenizer.vocab_size)
+    prompt = convert.prompt_token_ids(request, model.tokenizer, model.max_model_len)
+    model.engine.validate(prompt, params)  # prompt + max_tokens against the context and the KV cache
+    return _Prepared(request.request_id or uuid.uuid4().hex, prompt, params)
+
+
+def _args(prepared: _Prepared) -> tuple[str, list[int], Any]:
+    return prepared.request_id, prepared.prompt, prepared.params
+
+
+def _time_remaining(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    # Without a deadline some grpc versions report a huge number rather than None.
+    return None if remaining is None or remaining > 1e8 else max(remaining, 0.0)
+
+
+async def _abort_internal(context: grpc.aio.ServicerContext, error: BaseException) -> None:
+    error_id = uuid.uuid4().hex[:12]
+    log.error("internal error [error id %s]", error_id, exc_info=error)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error [error id {error_id}]")
+
+
+class ForgeService:
+    """The gRPC server's lifecycle: bind, load the engine, serve, drain, stop.
+
+    Readiness ("forge.v1.Forge" in grpc.health.v1) is NOT_SERVING while loading and while
+    draining; liveness ("") is SERVING from bind to stop.
+    """
+
+    def __init__(self, config: ServiceConfig, engine_factory: Callable[[], SyncEngine],
+                 max_waiting: int = 0, model_name: str = "") -> None:
+        self.config = config
+        self._engine_factory = engine_factory
+        self._max_waiting = max_waiting
+        self._configured_name = model_name
+        self.phase = Phase.LOADING
+        self.model: LoadedModel | None = None
+        self.port = 0
+        self._health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def start(self) -> int:
+        """Bind and start serving (health and reflection answer at once); returns the port."""
+        server = grpc.aio.server(options=_SERVER_OPTIONS)
+        pb_grpc.add_ForgeServicer_to_server(ForgeServicer(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.start()
+        self._server = server
+        log.info("gRPC server listening on %s:%d (loading the model)", self.config.host, self.port)
+        return self.port
+
+    async def load(self) -> None:
+        """Build the engine off the event loop, start its thread, and turn readiness on."""
+        started = time.monotonic()
+        engine = await _in_daemon_thread(self._engine_factory)
+        async_engine = AsyncEngine(engine, max_waiting=self._max_waiting)
+        async_engine.start()
+        self.model = LoadedModel(async_engine, engine.tokenizer, engine.model_name, engine.max_model_len,
+                                 int(time.time()))
+        if self.phase is Phase.LOADING:
+            self.phase = Phase.READY
+            await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info("model %s ready in %.1f s", engine.model_name, time.monotonic() - started)
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[LoadedModel]:
+        """Admit one generation RPC (UNAVAILABLE unless ready) and count it until it ends."""
+        if self.phase is not Phase.READY or self.model is None:
+            raise Unavailable(f"the service is {self.phase.name.lower()}; retry on another replica or later")
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield self.model
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Readiness off, refuse new work, wait for in-flight RPCs; True if they all finished."""
+        self.phase = Phase.DRAINING
+        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("draining: %d requests in flight, waiting up to %.0f s", self._in_flight, timeout_s)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            log.warning("drain timeout: cancelling %d requests still in flight", self._in_flight)
+            return False
+
+    async def stop(self) -> None:
+        """Cancel what is left, stop the server and the engine thread."""
+        await self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace=None)
+        if self.model is not None:
+            await self.model.engine.shutdown()
+
+    def health_response(self) -> pb.HealthResponse:
+        response = pb.HealthResponse(state=self.phase.value, ready=self.phase is Phase.READY,
+                                     model=self.model.name if self.model else self._configured_name,
+                                     max_waiting=max(self._max_waiting, 0))
+        if self.model is not None:
+            stats = self.model.engine.stats()
+            response.num_waiting, response.num_running = stats.num_waiting, stats.num_running
+            response.kv_cache_usage = stats.kv_usage
+            response.kv_blocks_used, response.kv_blocks_total = stats.kv_blocks_used, stats.kv_blocks_total
+        return response
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Serve until SIGTERM/SIGINT (or `stop` is set), then drain and stop.
+
+        A model that fails to load stops the server and raises."""
+        stop = stop or asyncio.Event()
+        with _signals_set(stop):
+            loading = asyncio.create_task(self.load())
+            stopping = asyncio.create_task(stop.wait())
+            await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if loading.done() and loading.exception() is not None:
+                stopping.cancel()
+                await self.stop()
+                raise loading.exception()
+            await stopping
+        if not loading.done():
+            loading.cancel()
+        await self.drain(self.config.drain_timeout_s)
+        await self.stop()
+        log.info("stopped")
+
+
+@contextlib.contextmanager
+def _signals_set(event: asyncio.Event) -> Iterator[None]:
+    """SIGTERM and SIGINT set `event` while inside (only the main thread can catch signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _on_signal, sig, event)
+    try:
+        yield
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def _on_signal(sig: int, event: asyncio.Event) -> None:
+    log.info("received %s: draining", signal.Signals(sig).name)
+    event.set()
+
+
+async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
+    """fn() on a daemon thread, so that a signal during a slow model load can still exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def target() -> None:
+        try:
+            result = fn()
+        except BaseException as error:  # handed to the awaiting coroutine
+            loop.call_soon_threadsafe(_settle, future, None, error)
+        else:
+            loop.call_soon_threadsafe(_settle, future, result, None)
+
+    threading.Thread(target=target, name="forge-load", daemon=True).start()
+    return await future
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def engine_factory(engine_config: EngineConfig) -> Callable[[], SyncEngine]:
+    """A callable that loads the real engine (slow; runs off the event loop)."""
+    def load() -> SyncEngine:
+        from forge_service.engine.engine import LLMEngine  # pulls in torch and the model code
+
+        return LLMEngine(engine_config)
+
+    return load
+
+
+def build_service(engine_config: EngineConfig, service_config: ServiceConfig) -> ForgeService:
+    return ForgeService(service_config, engine_factory(engine_config),
+                        max_waiting=engine_config.scheduler.max_waiting,
+                        model_name=engine_config.model.served_model_name or "")
+
+
+async def serve_async(engine_config: EngineConfig, service_config: ServiceConfig) -> None:
+    service = build_service(engine_config, service_config)
+    await service.start()
+    await service.run()
+
+
+def serve(engine_config: EngineConfig, service_config: ServiceConfig) -> None:
+    """Run the gRPC service alone until SIGTERM/SIGINT; returns after a clean drain."""
+    asyncio.run(serve_async(engine_config, service_config))

@@ -1,0 +1,195 @@
+"""A fake LLMEngine for service tests: byte-level tokenizer, echoes the prompt back.
+
+It mirrors the interface of forge_service.engine.engine.LLMEngine (add_request, abort_request,
+step, has_unfinished_requests, stats, tokenizer, model_name, max_model_len) and its output
+types, so the async engine and the gRPC servicer can be tested without a model.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from forge_service.engine.request import SamplingParams
+from forge_service.errors import InvalidArgument, QueueFull
+
+EOS = 0
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    rank: int | None
+    token: str
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[list[Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 100
+    kv_usage: float = 0.0
+
+
+class FakeTokenizer:
+    """One token per byte; id 0 is EOS."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode(errors="replace")
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+
+@dataclass
+class _Seq:
+    index: int
+    output: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _FakeRequest:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seqs: list[_Seq]
+    running: bool = False
+
+
+class FakeEngine:
+    """Generates each completion as the prompt echoed back, one token per step.
+
+    Completion i starts at prompt offset i. It stops on a stop token id, a stop string, EOS
+    (unless ignore_eos) or max_tokens (default: the prompt's length).
+    Knobs: step_delay_s (slow steps), max_running (others wait), fail_steps (step raises),
+    block_adds (add_request raises QueueFull), gate (when set to an Event, step() waits for it).
+    """
+
+    def __init__(self, max_model_len: int = 128, step_delay_s: float = 0.0, max_running: int = 64,
+                 model_name: str = "fake-model") -> None:
+        self.tokenizer = FakeTokenizer()
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.step_delay_s = step_delay_s
+        self.max_running = max_running
+        self.fail_steps = 0
+        self.block_adds = False
+        self.requests: dict[str, _FakeRequest] = {}
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.steps = 0
+        self.thread_ids: set[int] = set()
+        self.stepped = threading.Event()
+        self.gate: threading.Event | None = None
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        params.validate(self.tokenizer.vocab_size)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if self.block_adds:
+            raise QueueFull("fake engine queue is full")
+        params.validate(self.tokenizer.vocab_size)
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidArgument(f"prompt has {len(prompt_token_ids)} tokens; the context length is "
+                                  f"{self.max_model_len}")
+        seqs = [_Seq(i) for i in range(params.n)]
+        self.requests[request_id] = _FakeRequest(request_id, list(prompt_token_ids), params, seqs)
+        self.added.append(request_id)
+
+    def abort_request(self, request_id: str) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if self.requests.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        running = sum(r.running for r in self.requests.values())
+        return EngineStats(num_running=running, num_waiting=len(self.requests) - running,
+                           kv_blocks_used=running * 2, kv_usage=running * 2 / 100)
+
+    def step(self) -> list[RequestOutput]:
+        self.thread_ids.add(threading.get_ident())
+        self.steps += 1
+        self.stepped.set()
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        if self.fail_steps:
+            self.fail_steps -= 1
+            raise RuntimeError("fake step failure")
+        for request in list(self.requests.values())[: self.max_running]:
+            request.running = True
+        outputs = [self._advance(r) for r in list(self.requests.values()) if r.running]
+        for output in outputs:
+            if output.finished:
+                del self.requests[output.request_id]
+        return outputs
+
+    def _advance(self, request: _FakeRequest) -> RequestOutput:
+        deltas = [self._advance_seq(request, seq) for seq in request.seqs if seq.finish_reason is None]
+        finished = all(seq.finish_reason is not None for seq in request.seqs)
+        return RequestOutput(request.request_id, request.prompt, deltas, finished, num_cached_tokens=0)
+
+    def _advance_seq(self, request: _FakeRequest, seq: _Seq) -> CompletionOutput:
+        params = request.params
+        token = request.prompt[(seq.index + len(seq.output)) % len(request.prompt)]
+        seq.output.append(token)
+        limit = params.max_tokens or len(request.prompt)
+        text = self.tokenizer.decode([token])
+        if token in params.stop_token_ids or (token == EOS and not params.ignore_eos):
+            seq.finish_reason, seq.stop_reason, text = "stop", token, ""
+        else:
+            before = len(seq.text)
+            seq.text += text
+            for stop in params.stop:
+                at = seq.text.find(stop)
+                if at >= 0:
+                    keep = at + (len(stop) if params.include_stop_str_in_output else 0)
+                    seq.text = seq.text[:keep]
+                    text = seq.text[before:]
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                    break
+        if seq.finish_reason is None and len(seq.output) >= limit:
+            seq.finish_reason = "length"
+        logprobs = None
+        if params.logprobs is not None:
+            alternatives = [Logprob(t, -1.0 - r, r + 2, chr(t)) for r, t in enumerate(range(65, 65 + params.logprobs))]
+            logprobs = [[Logprob(token, -0.5, 1, self.tokenizer.id_to_token(token)), *alternatives]]
+        return CompletionOutput(seq.index, text, [token], logprobs, seq.finish_reason, seq.stop_reason)

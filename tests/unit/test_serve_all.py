@@ -1,0 +1,72 @@
+"""run_all: the gRPC service and the gateway in one event loop, with a fake engine, end to end."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from forge_service.config import ServiceConfig
+from forge_service.serve import run_all_async
+from forge_service.server import ForgeService, Phase
+from tests.unit.fakes import FakeEngine
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.ConnectError:
+            pass
+        assert time.monotonic() < deadline, "never ready"
+        time.sleep(0.02)
+
+
+def test_one_process_serves_openai_clients_and_drains_on_sigterm() -> None:
+    fake = FakeEngine(step_delay_s=0.02)
+    config = ServiceConfig(host="127.0.0.1", grpc_port=0, http_port=free_port(), drain_timeout_s=10)
+    url = f"http://127.0.0.1:{config.http_port}"
+
+    def use_it() -> dict[str, object]:
+        wait_ready(url)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        chat = client.chat.completions.create(model="fake-model", max_tokens=4,
+                                              messages=[{"role": "user", "content": "hi"}])
+        stream = client.completions.create(model="fake-model", prompt="s" * 40, stream=True, max_tokens=40)
+        text = next(iter(stream)).choices[0].text
+        os.kill(os.getpid(), signal.SIGTERM)  # a request is in flight: the drain waits for it
+        deadline = time.monotonic() + 5
+        while httpx.get(url + "/health").status_code == 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "late"}])
+        text += "".join(c.choices[0].text for c in stream if c.choices)
+        return {"chat": chat.choices[0].message.content, "refused": refused.value.status_code, "streamed": text}
+
+    async def main() -> dict[str, object]:
+        service = ForgeService(config, lambda: fake)
+        running = asyncio.create_task(run_all_async(service, config))
+        result = await asyncio.to_thread(use_it)
+        await asyncio.wait_for(running, 20)
+        assert service.phase is Phase.DRAINING
+        return result
+
+    result = asyncio.run(main())
+    assert result == {"chat": "<use", "refused": 503, "streamed": "s" * 40}
+    assert fake.aborted == []  # the in-flight stream finished during the drain
