@@ -1,0 +1,172 @@
+"""The engine's entry point to structured output: a cached, off-loop grammar compiler and matchers.
+
+The engine creates one GrammarCompiler per tokenizer at start-up, calls `compile_async` when a
+constrained request arrives (the request waits until the future is done; the step loop never
+blocks on a compile), builds one GrammarMatcher per sequence, and each step fills a packed
+bitmask (see bitmask.py) for the constrained rows before sampling.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from tokenizers import Tokenizer
+
+from forge_service.structured.backend import DEFAULT_BACKEND, BackendGrammar, create_backend
+from forge_service.structured.bitmask import pack_bitmask
+from forge_service.structured.constraint import Constraint
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledGrammar:
+    """A constraint compiled for one tokenizer. Immutable and shared; equal to itself only."""
+
+    constraint: Constraint
+    grammar: BackendGrammar
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    eos_only_row: torch.Tensor  # [W] int32: the mask of a terminated matcher
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer; thread-safe.
+
+    Results are cached by constraint (the compiler is per tokenizer, so the key is
+    (constraint, tokenizer)): a repeated schema returns the same CompiledGrammar without
+    work, and concurrent requests for one schema share one compile. Failed compiles are not
+    cached; they raise forge_service.errors.InvalidArgument with the backend's reason.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int], *,
+                 backend: str = DEFAULT_BACKEND, max_cached: int = 512, compile_threads: int = 2) -> None:
+        assert eos_token_ids, "structured output needs at least one EOS token id"
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.backend = create_backend(backend, tokenizer, vocab_size, sorted(self.eos_token_ids))
+        eos_only = torch.zeros(1, vocab_size, dtype=torch.bool)
+        eos_only[0, sorted(self.eos_token_ids)] = True
+        self._eos_only_row = pack_bitmask(eos_only)[0]
+        self._max_cached = max_cached
+        self._cache: OrderedDict[Constraint, Future[CompiledGrammar]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=compile_threads, thread_name_prefix="forge-grammar")
+
+    def compile_async(self, constraint: Constraint) -> Future[CompiledGrammar]:
+        """A future for the compiled grammar; done at once on a cache hit. Never blocks."""
+        with self._lock:
+            future = self._cache.get(constraint)
+            if future is not None:
+                self._cache.move_to_end(constraint)
+                return future
+            future = self._pool.submit(self._compile, constraint)
+            self._cache[constraint] = future
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
+        future.add_done_callback(lambda f: self._forget_failure(constraint, f))
+        return future
+
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
+        """Compile (or fetch) now; raises InvalidArgument(reason)."""
+        return self.compile_async(constraint).result()
+
+    def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor,
+                      rows: Sequence[int] | None = None) -> None:
+        """Fill `rows` (default 0..len-1) of bitmask [N, W] int32 for many matchers, in parallel.
+
+        At batch 16 this is ~2x faster than one `fill_mask` per matcher (bench/structured_backends.py).
+        Terminated matchers get EOS only.
+        """
+        rows = range(len(matchers)) if rows is None else rows
+        live = [(m, r) for m, r in zip(matchers, rows) if not m.is_terminated()]
+        if live:
+            self.backend.fill_bitmasks([m._inner for m, _ in live], bitmask, [r for _, r in live])
+        for m, r in zip(matchers, rows):
+            if m.is_terminated():
+                m.fill_mask(bitmask, r)
+
+    def clear_cache(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
+    def cached(self, constraint: Constraint) -> bool:
+        with self._lock:
+            return constraint in self._cache
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, constraint: Constraint) -> CompiledGrammar:
+        grammar = self.backend.compile(constraint)
+        return CompiledGrammar(constraint, grammar, self.vocab_size, self.eos_token_ids, self._eos_only_row)
+
+    def _forget_failure(self, constraint: Constraint, future: Future[CompiledGrammar]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            with self._lock:
+                if self._cache.get(constraint) is future:
+                    del self._cache[constraint]
+
+
+class GrammarMatcher:
+    """One sequence's progress through a grammar. Not thread-safe; owned by the engine thread.
+
+    EOS is accepted exactly when the output so far is complete (`can_end`); the matcher is then
+    terminated: it accepts nothing more and its mask allows only EOS, so a sampled row is never
+    all -inf. Rolling back past the EOS revives it.
+    """
+
+    def __init__(self, grammar: CompiledGrammar) -> None:
+        self.grammar = grammar
+        self._inner = grammar.grammar.matcher()
+        self._num_tokens = 0  # accepted tokens, EOS included; bounds rollback
+        self._terminated = False
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token. False (and no change) when the grammar forbids it."""
+        if self._terminated or not 0 <= token_id < self.grammar.vocab_size:
+            return False
+        if token_id in self.grammar.eos_token_ids:
+            if not self._inner.is_accepting():
+                return False
+            self._terminated = True
+        elif not self._inner.accept_token(token_id):
+            return False
+        self._num_tokens += 1
+        return True
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write row `row` of a packed bitmask [N, ceil(V / 32)] int32 (CPU, contiguous); 1 = allowed."""
+        if self._terminated:
+            bitmask[row] = self.grammar.eos_only_row
+        else:
+            self._inner.fill_bitmask(bitmask, row)
+
+    def can_end(self) -> bool:
+        """True when the output so far is complete, so EOS is allowed now."""
+        return not self._terminated and self._inner.is_accepting()
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def rollback(self, num_tokens: int) -> bool:
+        """Undo the last `num_tokens` accepted tokens (speculative decoding). False if there are fewer."""
+        if not 0 <= num_tokens <= self._num_tokens:
+            return False
+        inner = num_tokens - 1 if self._terminated and num_tokens else num_tokens  # the EOS was never inner
+        if inner:
+            self._inner.rollback(inner)
+        self._terminated = self._terminated and num_tokens == 0
+        self._num_tokens -= num_tokens
+        return True
+
+    def reset(self) -> None:
+        self._inner.reset()
+        self._num_tokens = 0
+        self._terminated = False
