@@ -24,7 +24,10 @@ class AttentionMetadata:
     """Built once per step by the model runner, shared by every layer."""
 
     slot_mapping: torch.Tensor  # [T] long: flat cache slot of each new token
+    block_size: int
     num_decode_tokens: int  # rows [0, D) have q_len 1 and are attended in one padded batch
-    decode_slots: torch.Tensor | None = None  # [D, Lmax] long gather indices (0 where padded)
+    # [D, W] block tables of the decode rows (padded with block 0); keys are gathered a whole
+    # block at a time, Lmax = W * block_size.
+    decode_block_tables: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, Lmax] bool, True = attend
     prefills: list[PrefillSeq] = field(default_factory=list)

@@ -10,6 +10,7 @@ from forge_service.engine.outputs import ScheduledChunk, SchedulerOutput
 from forge_service.layers.attention import AttentionMetadata, PrefillSeq
 from forge_service.models.arch import ArchConfig
 from forge_service.sampling import RowSampling, Sampler, SamplingMetadata
+from forge_service.structured import MatcherSet
 
 
 @dataclass
@@ -21,6 +22,7 @@ class SampledToken:
     logprob: float | None = None
     rank: int | None = None
     top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+    refused: bool = False  # its grammar refused the token (a bug: the mask allowed it); the request ends
 
 
 def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -43,9 +45,12 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        self.grammars: MatcherSet | None = None  # structured output's matchers; set by the engine
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.release(request_id)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
@@ -54,9 +59,9 @@ class ModelRunner:
         prefills = [c for c in out.chunks if c.num_tokens > 1]
         ordered = decodes + prefills  # decodes first: they are attended as one padded batch
         input_ids, positions, slots, logit_rows = self._flat_inputs(ordered)
-        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=len(decodes))
+        meta = AttentionMetadata(slot_mapping=slots, block_size=self.block_size, num_decode_tokens=len(decodes))
         if decodes:
-            meta.decode_slots, meta.decode_mask = self._decode_gather(decodes)
+            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decodes)
         meta.prefills = self._prefill_seqs(prefills, len(decodes))
         sampling = [c for c in ordered if c.samples]
         if not sampling:
@@ -93,12 +98,13 @@ class ModelRunner:
         p = torch.arange(length)
         return tables[:, p // self.block_size] * self.block_size + p % self.block_size
 
-    def _decode_gather(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_tables(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        # Only the blocks that hold context: a table may already own a block for the next token.
+        width = max(-(-c.end // self.block_size) for c in decodes)
+        tables = torch.tensor([(c.block_ids + [0] * width)[:width] for c in decodes])  # [D, W]
         lens = torch.tensor([c.end for c in decodes])
-        lmax = int(lens.max())
-        idx = self._context_slots(self._block_tables(decodes), lmax)
-        mask = torch.arange(lmax).unsqueeze(0) < lens.unsqueeze(1)  # [D, Lmax]
-        return idx.masked_fill(~mask, 0), mask[:, None, None, :]
+        mask = torch.arange(width * self.block_size).unsqueeze(0) < lens.unsqueeze(1)  # [D, Lmax]
+        return tables, mask[:, None, None, :]
 
     def _prefill_seqs(self, prefills: list[ScheduledChunk], offset: int) -> list[PrefillSeq]:
         seqs = []
@@ -125,11 +131,15 @@ class ModelRunner:
                             output_token_ids=c.request.output_token_ids, generator=self._generator(c))
                 for c in chunks]
         meta = SamplingMetadata.build(rows, logits.shape[-1], logits.device)
+        request_ids = [c.request.request_id for c in chunks]
+        if self.grammars is not None:
+            meta.token_bitmask = self.grammars.bitmask(request_ids)  # None when no row is constrained
         res = self.sampler(logits, meta)
         token_ids = res.token_ids.tolist()
+        refused = self.grammars.accept(request_ids, token_ids) if meta.token_bitmask is not None else ()
         results = []
         for i, c in enumerate(chunks):
-            s = SampledToken(c.request.request_id, token_ids[i])
+            s = SampledToken(c.request.request_id, token_ids[i], refused=request_ids[i] in refused)
             k = c.request.sampling_params.logprobs
             if k is not None and res.logprobs is not None:
                 s.logprob = float(res.logprobs[i])
