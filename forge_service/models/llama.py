@@ -12,6 +12,9 @@ from forge_service.layers.rotary import RotaryEmbedding, apply_rotary
 from forge_service.models.arch import ArchConfig
 
 
+REFINE_CANDIDATES = 8
+
+
 @dataclass
 class LlamaLayer:
     input_norm: torch.Tensor  # [D]
@@ -53,14 +56,26 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T]; logits_indices: [N] rows that need logits -> logits [N, V] float32
-        x = self.embed[input_ids]  # [T, D]
+        # The residual stream stays fp32 whatever the compute dtype: in bf16 this keeps greedy
+        # outputs much closer to fp32 at the cost of two casts per layer.
+        x = self.embed[input_ids].float()  # [T, D]
         cos, sin = self.rotary.tables(positions, self.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.arch.rms_norm_eps),
                                     cos, sin, k_cache, v_cache, meta)
             x = x + self._mlp(layer, rms_norm(x, layer.post_norm, self.arch.rms_norm_eps))
-        x = rms_norm(x[logits_indices], self.norm, self.arch.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        h = rms_norm(x[logits_indices], self.norm.float(), self.arch.rms_norm_eps)  # [N, D] fp32
+        logits = F.linear(h.to(self.dtype), self.lm_head).float()  # [N, V]
+        if self.dtype != torch.float32:
+            self._refine_leaders(h, logits)
+        return logits
+
+    def _refine_leaders(self, h: torch.Tensor, logits: torch.Tensor) -> None:
+        # A bf16 GEMM rounds every logit to 8 mantissa bits, enough to flip near ties: recompute
+        # the leading candidates of each row in fp32 (a full fp32 lm_head costs ~3x as much).
+        top = logits.topk(REFINE_CANDIDATES, dim=-1).indices  # [N, k]
+        exact = torch.einsum("nd,nkd->nk", h, self.lm_head[top].float())
+        logits.scatter_(1, top, exact)
 
     def _attention(self, layer: LlamaLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

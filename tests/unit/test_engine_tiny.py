@@ -136,3 +136,16 @@ def test_bad_parameters_are_rejected(llm):
             llm.generate(["hi"], bad)
     with pytest.raises(InvalidArgument, match="outside the vocabulary"):
         llm.generate([[5, 999_999]], SamplingParams())
+
+
+def test_bf16_follows_fp32(tiny_dir, llm):
+    """bf16 (fp32 residual stream, refined leading logits, grouped decode attention) tracks fp32."""
+    bf16 = LLM(model=str(tiny_dir), dtype="bfloat16", max_num_batched_tokens=64)
+    prompts = [list(range(5, 40)), list(range(50, 130))]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+    ref = llm.generate(prompts, params)
+    got = bf16.generate(prompts, params)
+    for r, g in zip(ref, got):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        diffs = [abs(a[0].logprob - b[0].logprob) for a, b in zip(g.outputs[0].logprobs, r.outputs[0].logprobs)]
+        assert max(diffs) < 0.1
