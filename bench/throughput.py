@@ -36,8 +36,22 @@ def run_forge(args: argparse.Namespace) -> dict:
         times.append(time.perf_counter() - t)
         assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
     tokens = args.num_prompts * args.output_len
+    if args.profile:
+        print(profile_table(llm, convs, args), file=sys.stderr)
     return {"system": f"forge {args.dtype}", "seconds": median(times), "tok_s": tokens / median(times),
             "runs": times, "peak_rss_mib": peak_rss_mib()}
+
+
+def profile_table(llm, convs, args: argparse.Namespace) -> str:
+    """torch profiler table of the same workload with 16 output tokens: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from forge_service import SamplingParams
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.chat(convs, SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0))
+    return f"--- forge {args.dtype}: profile of {len(convs)} prompts x 16 tokens ---\n" + \
+        prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
 
 
 def run_hf(args: argparse.Namespace) -> dict:
@@ -74,7 +88,9 @@ def child(worker: str, dtype: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", worker, "--dtype", dtype, "--repeats", str(args.repeats),
            "--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len),
            "--batched-tokens", str(args.batched_tokens)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    if args.profile:
+        cmd.append("--profile")
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -85,6 +101,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batched-tokens", type=int, default=512)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print a torch profiler table per Forge dtype")
     p.add_argument("--worker", choices=list(WORKERS))
     p.add_argument("--dtype", default="bfloat16")
     args = p.parse_args()

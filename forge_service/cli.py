@@ -10,10 +10,10 @@ def _generate(args: argparse.Namespace) -> int:
     from forge_service import LLM, SamplingParams
     from forge_service.errors import ForgeError
 
-    llm = LLM(model=args.model, dtype=args.dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                             top_p=args.top_p, top_k=args.top_k)
     try:
+        llm = LLM(model=args.model, dtype=args.dtype)
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
         else:
