@@ -1,0 +1,111 @@
+"""Load on the real gateway: many concurrent streams, and clients that vanish mid-stream."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.conftest import CHAT_PROMPTS, RAW_PROMPTS
+from tests.integration.serving.servers import ForgeProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MAX_TOKENS = 16
+NUM_STREAMS = 32
+
+
+def distinct_requests(model: str) -> list[tuple[str, dict[str, Any]]]:
+    """16 different greedy requests, 8 chat and 8 completions: ("chat" | "completion", kwargs)."""
+    common = dict(model=model, max_tokens=MAX_TOKENS, temperature=0)
+    chats = [("chat", dict(messages=m, **common)) for m in CHAT_PROMPTS[:8]]
+    texts = [("completion", dict(prompt=p, **common)) for p in RAW_PROMPTS[:8]]
+    return chats + texts
+
+
+async def stream_text(client: openai.AsyncOpenAI, kind: str, kwargs: dict[str, Any]) -> tuple[str, str]:
+    """(text, finish_reason) of one streamed request."""
+    text, finish = "", ""
+    if kind == "chat":
+        async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+    else:
+        async for chunk in await client.completions.create(stream=True, **kwargs):
+            for choice in chunk.choices:
+                text += choice.text
+                finish = choice.finish_reason or finish
+    return text, finish
+
+
+async def whole_text(client: openai.AsyncOpenAI, kind: str, kwargs: dict[str, Any]) -> tuple[str, str]:
+    if kind == "chat":
+        choice = (await client.chat.completions.create(**kwargs)).choices[0]
+        return choice.message.content, choice.finish_reason
+    choice = (await client.completions.create(**kwargs)).choices[0]
+    return choice.text, choice.finish_reason
+
+
+def test_32_concurrent_streams_equal_the_same_requests_one_by_one(idle_server: ForgeProcess, model_name) -> None:
+    requests = distinct_requests(model_name)
+    batch = [requests[i % len(requests)] for i in range(NUM_STREAMS)]
+
+    async def run() -> tuple[list[tuple[str, str]], list[tuple[str, str]], int]:
+        async with openai.AsyncOpenAI(base_url=idle_server.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=240, http_client=httpx.AsyncClient(
+                                          limits=httpx.Limits(max_connections=NUM_STREAMS))) as client:
+            tasks = [asyncio.create_task(stream_text(client, kind, kwargs)) for kind, kwargs in batch]
+            most_running = 0
+            while not all(t.done() for t in tasks):
+                most_running = max(most_running, (await asyncio.to_thread(idle_server.health)).num_running)
+                await asyncio.sleep(0.1)
+            concurrent = [t.result() for t in tasks]
+            one_by_one = [await whole_text(client, kind, kwargs) for kind, kwargs in requests]
+            return concurrent, one_by_one, most_running
+
+    concurrent, one_by_one, most_running = asyncio.run(run())
+    assert most_running >= NUM_STREAMS // 2, "the streams were never served together"
+    for i, (text, finish) in enumerate(concurrent):
+        assert finish in ("stop", "length") and text
+        assert (text, finish) == one_by_one[i % len(requests)], f"stream {i}: {batch[i]}"
+
+
+def test_clients_that_disconnect_mid_stream_free_their_kv_blocks(idle_server: ForgeProcess, model_name) -> None:
+    body = {"model": model_name, "messages": CHAT_PROMPTS[0], "max_tokens": 4000, "ignore_eos": True,
+            "stream": True}
+
+    async def read_a_little_then_leave(client: httpx.AsyncClient, started: asyncio.Event) -> int:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            events = 0
+            async for line in response.aiter_lines():
+                events += line.startswith("data: ")
+                if events == 3:
+                    break
+            await started.wait()  # everyone is in the middle of a stream: now all leave at once
+            return events
+
+    async def burst() -> tuple[list[int], Any]:
+        async with httpx.AsyncClient(base_url=idle_server.url, timeout=120,
+                                     limits=httpx.Limits(max_connections=16)) as client:
+            started = asyncio.Event()
+            tasks = [asyncio.create_task(read_a_little_then_leave(client, started)) for _ in range(12)]
+            deadline = time.monotonic() + 60
+            busy = await asyncio.to_thread(idle_server.health)
+            while busy.num_running < 12 and not any(t.done() for t in tasks) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                busy = await asyncio.to_thread(idle_server.health)
+            await asyncio.sleep(0.5)  # let every client read its first events
+            started.set()
+            return list(await asyncio.gather(*tasks)), busy
+
+    events, busy = asyncio.run(burst())
+    assert events == [3] * 12
+    assert busy.num_running == 12 and busy.kv_blocks_used >= 12
+    idle_server.wait_idle(timeout_s=20)
+    client = openai.OpenAI(base_url=idle_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    after = client.chat.completions.create(model=model_name, messages=CHAT_PROMPTS[0], max_tokens=4, temperature=0)
+    assert after.choices[0].message.content and after.choices[0].finish_reason == "length"

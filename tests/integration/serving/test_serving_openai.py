@@ -1,0 +1,281 @@
+"""The official `openai` client (and raw HTTP for what it cannot send) against the real gateway."""
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from forge_service import SamplingParams
+from tests.integration.serving.servers import ForgeProcess, torch_threads
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+CHAT = [{"role": "user", "content": "Write a haiku about autumn."}]
+TEXT = "The best way to learn a new language is"
+MAX_TOKENS = 16
+CONTEXT = 8192  # SmolLM2-135M-Instruct's context length
+
+
+# ---- helpers -------------------------------------------------------------------------
+
+def chat_stream(client: openai.OpenAI, **kwargs: Any) -> tuple[dict[int, str], dict[int, str], list[Any]]:
+    """(text per choice index, finish_reason per index, all chunks) of a streamed chat."""
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    return texts, finish, chunks
+
+
+def completion_stream(client: openai.OpenAI, **kwargs: Any) -> tuple[dict[int, str], dict[int, str], list[Any]]:
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    return texts, finish, chunks
+
+
+def offline(llm, prompt: Any, **params: Any):
+    """The offline API's one completion (chat when `prompt` is a message list), on one thread like the server."""
+    with torch_threads(1):
+        sampling = SamplingParams(**params)
+        out = llm.chat(prompt, sampling) if isinstance(prompt, list) else llm.generate(prompt, sampling)
+    return out[0]
+
+
+def post(server: ForgeProcess, path: str, body: Any, headers: dict[str, str] | None = None,
+         timeout: float = 60) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, timeout=timeout,
+                      headers={"content-type": "application/json", **(headers or {})})
+
+
+def assert_openai_error(response: httpx.Response, status: int, type_: str, code: str | None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == (type_, code), error
+    assert error["message"]
+    return error
+
+
+def usage_tuple(usage: Any) -> tuple[int, int, int]:
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+
+
+# ---- chat and completions, streamed and not ------------------------------------------
+
+def test_chat_streamed_and_not_equals_the_offline_api(idle_server, openai_client, model_name, llm_fp32) -> None:
+    request = dict(model=model_name, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    with ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(openai_client.chat.completions.create, **request)
+        streamed = pool.submit(chat_stream, openai_client, stream_options={"include_usage": True}, **request)
+        expected = offline(llm_fp32, CHAT, temperature=0, max_tokens=MAX_TOKENS)
+        response, (texts, finish, chunks) = whole.result(), streamed.result()
+    [choice] = response.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected.outputs[0].text
+    assert choice.finish_reason == expected.outputs[0].finish_reason
+    assert usage_tuple(response.usage) == (len(expected.prompt_token_ids), len(expected.outputs[0].token_ids),
+                                           len(expected.prompt_token_ids) + len(expected.outputs[0].token_ids))
+    assert response.object == "chat.completion" and response.model == model_name
+    assert texts == {0: choice.message.content} and finish == {0: choice.finish_reason}
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *body, last = chunks
+    assert last.choices == [] and usage_tuple(last.usage) == usage_tuple(response.usage)
+    assert all(c.usage is None and c.object == "chat.completion.chunk" for c in body)
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completion_streamed_and_not_equals_the_offline_api(idle_server, openai_client, model_name,
+                                                            llm_fp32) -> None:
+    request = dict(model=model_name, prompt=TEXT, max_tokens=MAX_TOKENS, temperature=0)
+    with ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(openai_client.completions.create, **request)
+        streamed = pool.submit(completion_stream, openai_client, stream_options={"include_usage": True}, **request)
+        expected = offline(llm_fp32, TEXT, temperature=0, max_tokens=MAX_TOKENS)
+        response, (texts, finish, chunks) = whole.result(), streamed.result()
+    [choice] = response.choices
+    assert choice.text == expected.outputs[0].text
+    assert choice.finish_reason == expected.outputs[0].finish_reason == "length"
+    assert usage_tuple(response.usage) == (len(expected.prompt_token_ids), MAX_TOKENS,
+                                           len(expected.prompt_token_ids) + MAX_TOKENS)
+    assert texts == {0: choice.text} and finish == {0: "length"}
+    *body, last = chunks
+    assert last.choices == [] and usage_tuple(last.usage) == usage_tuple(response.usage)
+    assert all(c.usage is None for c in body)
+
+
+def test_models_lists_the_served_model(openai_client, model_name) -> None:
+    [model] = openai_client.models.list().data
+    assert model.id == model_name == "SmolLM2-135M-Instruct.Q4_1"
+
+
+def test_max_tokens_ends_with_finish_reason_length(idle_server, openai_client, model_name) -> None:
+    chat = openai_client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=3, temperature=0)
+    text = openai_client.completions.create(model=model_name, prompt=TEXT, max_tokens=3, temperature=0)
+    for response, choice in ((chat, chat.choices[0]), (text, text.choices[0])):
+        assert choice.finish_reason == "length"
+        assert response.usage.completion_tokens == 3
+
+
+def test_n_2_gives_two_seeded_completions(idle_server, openai_client, model_name) -> None:
+    request = dict(model=model_name, messages=CHAT, max_tokens=8, temperature=1.0)
+    with ThreadPoolExecutor(3) as pool:
+        pair = pool.submit(openai_client.chat.completions.create, n=2, seed=11, **request)
+        second = pool.submit(openai_client.chat.completions.create, n=1, seed=12, **request)
+        streamed = pool.submit(chat_stream, openai_client, n=2, seed=11, **request)
+    response = pair.result()
+    assert [c.index for c in response.choices] == [0, 1]
+    texts = [c.message.content for c in response.choices]
+    assert texts[0] != texts[1]
+    # The proto's rule: completion i uses seed + i.
+    assert texts[1] == second.result().choices[0].message.content
+    stream_texts, finish, _ = streamed.result()
+    assert stream_texts == {0: texts[0], 1: texts[1]}
+    assert finish == {c.index: c.finish_reason for c in response.choices}
+
+
+def test_stop_strings_end_the_text_before_the_match(idle_server, openai_client, model_name, llm_fp32) -> None:
+    greedy = offline(llm_fp32, TEXT, temperature=0, max_tokens=MAX_TOKENS).outputs[0].text
+    words = greedy.split()
+    stop = words[len(words) // 2]
+    expected = greedy[:greedy.index(stop)]
+    assert expected, f"pick another stop string: {stop!r} starts {greedy!r}"
+    request = dict(model=model_name, prompt=TEXT, max_tokens=MAX_TOKENS, temperature=0, stop=[stop, "never seen"])
+    response = openai_client.completions.create(**request)
+    [choice] = response.choices
+    assert (choice.text, choice.finish_reason) == (expected, "stop")
+    assert choice.model_extra["stop_reason"] == stop
+    texts, finish, _ = completion_stream(openai_client, **request)
+    assert (texts, finish) == ({0: expected}, {0: "stop"})
+
+
+def test_seed_makes_sampling_reproducible(idle_server, openai_client, model_name) -> None:
+    request = dict(model=model_name, prompt=TEXT, max_tokens=12, temperature=1.0)
+    with ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(openai_client.completions.create, seed=seed, **request) for seed in (123, 123, 124)]
+        first, again, other = [r.result().choices[0].text for r in runs]
+    assert first == again
+    assert first != other
+
+
+def test_chat_logprobs_match_the_offline_api(idle_server, openai_client, model_name, llm_fp32) -> None:
+    response = openai_client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=8, temperature=0,
+                                                     logprobs=True, top_logprobs=5)
+    expected = offline(llm_fp32, CHAT, temperature=0, max_tokens=8, logprobs=5).outputs[0]
+    [choice] = response.choices
+    content = choice.logprobs.content
+    assert len(content) == len(expected.token_ids) == response.usage.completion_tokens
+    assert "".join(p.token for p in content) == choice.message.content
+    for position, (chosen, *top) in zip(content, expected.logprobs):
+        assert position.logprob <= 0
+        assert position.logprob == pytest.approx(chosen.logprob, abs=1e-3)
+        values = [t.logprob for t in position.top_logprobs]
+        assert len(values) == 5 and all(v <= 0 for v in values)
+        assert values == sorted(values, reverse=True)
+        assert position.top_logprobs[0].token == position.token  # greedy: the chosen one is the likeliest
+        assert values == pytest.approx([t.logprob for t in top], abs=1e-3)
+        if position.token.isascii():
+            assert bytes(position.bytes) == position.token.encode()
+
+
+def test_completion_logprobs_match_the_offline_api(idle_server, openai_client, model_name, llm_fp32) -> None:
+    response = openai_client.completions.create(model=model_name, prompt=TEXT, max_tokens=8, temperature=0,
+                                                logprobs=3)
+    expected = offline(llm_fp32, TEXT, temperature=0, max_tokens=8, logprobs=3).outputs[0]
+    [choice] = response.choices
+    logprobs = choice.logprobs
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.token_logprobs == pytest.approx([lp[0].logprob for lp in expected.logprobs], abs=1e-3)
+    assert all(v <= 0 for v in logprobs.token_logprobs)
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        values = list(top.values())
+        assert len(values) == 3 and values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+        assert top[token] == pytest.approx(value)
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+
+
+def test_logit_bias_forces_and_bans_tokens(idle_server, openai_client, model_name, llm_fp32) -> None:
+    [banana] = llm_fp32.tokenizer.encode(" banana", add_special_tokens=False)
+    request = dict(model=model_name, prompt=TEXT, max_tokens=4, temperature=0, logprobs=0)
+    forced = openai_client.completions.create(logit_bias={str(banana): 100}, **request).choices[0]
+    assert forced.text == " banana" * 4
+    greedy = offline(llm_fp32, TEXT, temperature=0, max_tokens=1).outputs[0].token_ids[0]
+    banned = openai_client.completions.create(logit_bias={str(greedy): -100}, **request).choices[0]
+    assert banned.logprobs.tokens[0] != llm_fp32.tokenizer.decode([greedy])
+
+
+# ---- errors ----------------------------------------------------------------------------
+
+def test_malformed_json_is_400(forge_server) -> None:
+    response = post(forge_server, "/v1/chat/completions", '{"model": "x", "messages": [')
+    error = assert_openai_error(response, 400, "invalid_request_error", "invalid_json")
+    assert "JSON" in error["message"]
+
+
+def test_validation_errors_are_400_with_the_numbers(forge_server, openai_client, model_name, llm_fp32) -> None:
+    with pytest.raises(openai.BadRequestError) as negative:
+        openai_client.chat.completions.create(model=model_name, messages=CHAT, temperature=-1)
+    assert "temperature must be in [0, 100], got -1" in negative.value.message
+
+    response = post(forge_server, "/v1/chat/completions", {"model": model_name, "messages": CHAT, "n": 0})
+    error = assert_openai_error(response, 400, "invalid_request_error", "invalid_value")
+    assert error["param"] == "n" and "greater than or equal to 1" in error["message"]
+
+    prompt = "hello " * 9000
+    n = len(llm_fp32.tokenizer.encode(prompt))
+    assert n >= CONTEXT
+    with pytest.raises(openai.BadRequestError) as too_long:
+        openai_client.completions.create(model=model_name, prompt=prompt, max_tokens=1)
+    message = too_long.value.message
+    assert f"the prompt has {n} tokens" in message and f"context length is {CONTEXT}" in message
+    assert f"by {n - CONTEXT + 1} tokens" in message
+
+    m = len(llm_fp32.tokenizer.encode(TEXT))
+    with pytest.raises(openai.BadRequestError) as too_many:
+        openai_client.completions.create(model=model_name, prompt=TEXT, max_tokens=9000)
+    assert (f"the prompt has {m} tokens and max_tokens is 9000: {m + 9000} tokens exceed the model's context "
+            f"length of {CONTEXT} by {m + 9000 - CONTEXT}") in too_many.value.message
+
+
+def test_unknown_model_is_404(openai_client) -> None:
+    with pytest.raises(openai.NotFoundError) as missing:
+        openai_client.chat.completions.create(model="gpt-17", messages=CHAT, max_tokens=1)
+    assert missing.value.code == "model_not_found" and "gpt-17" in missing.value.message
+
+
+def test_passed_deadline_is_504_and_frees_blocks(idle_server, model_name) -> None:
+    body = {"model": model_name, "prompt": TEXT, "max_tokens": 4000, "ignore_eos": True}
+    started = time.monotonic()
+    response = post(idle_server, "/v1/completions", body, headers={"X-Request-Timeout": "1"})
+    assert time.monotonic() - started < 5
+    assert_openai_error(response, 504, "timeout", "deadline_exceeded")
+    idle_server.wait_idle(timeout_s=10)
+
+    # Once the stream has started, the deadline arrives as an error event, then [DONE].
+    with httpx.stream("POST", idle_server.url + "/v1/completions", json={**body, "stream": True},
+                      headers={"X-Request-Timeout": "1"}, timeout=30) as stream:
+        assert stream.status_code == 200
+        events = [line.removeprefix("data: ") for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "deadline_exceeded"
+    assert all("choices" in json.loads(e) for e in events[:-2])
+
+
+def test_bad_x_request_timeout_is_400(forge_server, model_name) -> None:
+    body = {"model": model_name, "prompt": TEXT, "max_tokens": 1}
+    response = post(forge_server, "/v1/completions", body, headers={"X-Request-Timeout": "soon"})
+    assert_openai_error(response, 400, "invalid_request_error", None)
