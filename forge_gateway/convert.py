@@ -2,6 +2,7 @@
 messages become OpenAI's chat.completion(.chunk) and text_completion objects."""
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -36,13 +37,33 @@ def _stopping(req: _Common, max_tokens: int | None) -> pb.StoppingParameters:
     return stopping
 
 
+def constraint(req: _Common) -> dict[str, Any]:
+    """The structured-output constraint as GenerateRequest fields (the `constraint` oneof); {} for none.
+    Schemas travel as JSON text; the service compiles and validates them."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        return {"json_object": True}
+    if fmt is not None and fmt.type == "json_schema":
+        return {"json_schema": json.dumps(fmt.json_schema.schema_)}
+    if req.guided_json is not None:
+        schema = req.guided_json
+        return {"json_schema": schema if isinstance(schema, str) else json.dumps(schema)}
+    if req.guided_regex is not None:
+        return {"regex": req.guided_regex}
+    if req.guided_choice is not None:
+        return {"choice": pb.ChoiceList(choices=req.guided_choice)}
+    if req.guided_grammar is not None:
+        return {"grammar": req.guided_grammar}
+    return {}
+
+
 def chat_request(req: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
     messages = [pb.ChatMessage(role=_ROLES.get(m.role, m.role), content=m.text(), name=m.name or "")
                 for m in req.messages]
     return pb.GenerateRequest(
         model=req.model, request_id=request_id, chat=pb.ChatInput(messages=messages), n=req.n,
         sampling=_sampling(req), stopping=_stopping(req, req.output_limit),
-        logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+        logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, **constraint(req))
 
 
 def completion_requests(req: CompletionRequest, request_id: str) -> list[pb.GenerateRequest]:
@@ -53,7 +74,7 @@ def completion_requests(req: CompletionRequest, request_id: str) -> list[pb.Gene
         message = pb.GenerateRequest(
             model=req.model, request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}", n=req.n,
             sampling=_sampling(req), stopping=_stopping(req, req.max_tokens),
-            logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0)
+            logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, **constraint(req))
         if isinstance(prompt, str):
             message.text = prompt
         else:

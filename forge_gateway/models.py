@@ -42,6 +42,31 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema. `strict` is accepted and always in effect: the schema is enforced."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # `schema` would shadow a BaseModel attribute; the alias keeps OpenAI's JSON name.
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object with name and schema")
+        return self
+
+
 class _Common(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI + vLLM extensions)."""
 
@@ -67,6 +92,22 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured output: OpenAI's response_format, and vLLM's guided_* extensions (at most one).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | bool | str | None = None  # a JSON Schema (object or JSON text)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None  # GBNF or Lark
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> _Common:
+        asked = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            asked.insert(0, "response_format")
+        if len(asked) > 1:
+            raise ValueError(f"at most one structured output constraint may be set, got {', '.join(asked)}")
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -98,14 +139,11 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1, le=_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=_INT32)
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than 'text' is not supported yet")
         if self.tools:
             raise ValueError("tools are not supported")
         if self.top_logprobs and not self.logprobs:

@@ -1,12 +1,14 @@
 """Proto messages <-> engine types, for the servicer. Pure functions and small accumulators."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from forge_service.engine.request import SamplingParams
 from forge_service.errors import InvalidArgument
 from forge_service.pb import forge_pb2 as pb
+from forge_service.structured.constraint import Constraint
 
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
@@ -43,7 +45,18 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
         logprobs=request.top_logprobs if request.logprobs else None,
         include_stop_str_in_output=t.include_stop_str_in_output,
         skip_special_tokens=t.skip_special_tokens if t.HasField("skip_special_tokens") else True,
+        constraint=constraint(request),
     )
+
+
+def constraint(request: pb.GenerateRequest) -> Constraint | None:
+    """The request's structured-output constraint (the `constraint` oneof); None when unset."""
+    kind = request.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not request.json_object):
+        return None
+    if kind == "choice":
+        return Constraint("choice", json.dumps(list(request.choice.choices)))
+    return Constraint(kind, "" if kind == "json_object" else getattr(request, kind))
 
 
 def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Any, max_model_len: int) -> list[int]:

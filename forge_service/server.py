@@ -65,7 +65,7 @@ class ForgeServicer(pb_grpc.ForgeServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         async with self._rpc(context) as model:
-            prepared = _prepare(request, model)
+            prepared = await _prepare(request, model)
             result = convert.GenerateAccumulator(prepared.request_id, model.name, len(prepared.prompt))
             async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
                 async for output in outputs:
@@ -74,7 +74,7 @@ class ForgeServicer(pb_grpc.ForgeServicer):
 
     async def Stream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         async with self._rpc(context) as model:
-            prepared = _prepare(request, model)
+            prepared = await _prepare(request, model)
             encoder = convert.StreamEncoder(prepared.request_id, len(prepared.prompt))
             async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
                 async for output in outputs:
@@ -112,13 +112,14 @@ class ForgeServicer(pb_grpc.ForgeServicer):
             await _abort_internal(context, error)
 
 
-def _prepare(request: pb.GenerateRequest, model: LoadedModel) -> _Prepared:
+async def _prepare(request: pb.GenerateRequest, model: LoadedModel) -> _Prepared:
     if request.model and request.model != model.name:
         raise ModelNotFound(f"model {request.model!r} is not served here; this server serves {model.name!r}")
     params = convert.sampling_params(request)
     params.validate(model.tokenizer.vocab_size)
     prompt = convert.prompt_token_ids(request, model.tokenizer, model.max_model_len)
     model.engine.validate(prompt, params)  # prompt + max_tokens against the context and the KV cache
+    await model.engine.compile_constraint(params)  # structured output: compiled before it is queued
     return _Prepared(request.request_id or uuid.uuid4().hex, prompt, params)
 
 

@@ -107,6 +107,18 @@ class AsyncEngine:
         """Check a request before queueing it; reads only immutable engine state, so any thread may call it."""
         self.engine.validate(prompt_token_ids, params)
 
+    async def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile params.constraint off the event loop and the engine thread (the grammar
+        compiler's pool), raising InvalidArgument with the backend's reason. The request then
+        reaches add_request as a cache hit, so the step loop never waits on a compile."""
+        if params.constraint is None:
+            return
+        compiler = getattr(self.engine, "grammar_compiler", None)
+        if compiler is None:
+            raise InvalidArgument("this engine does not support structured output")
+        # shield: a cancelled RPC must not cancel a compile that other requests may share.
+        await asyncio.shield(asyncio.wrap_future(compiler.compile_async(params.constraint)))
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[Any]:
         """Submit a request and yield its RequestOutputs (deltas) until it finishes."""

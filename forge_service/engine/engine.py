@@ -18,6 +18,7 @@ from forge_service.kv_cache.manager import KVCacheManager
 from forge_service.loaders import default_model_path, load_checkpoint
 from forge_service.models.registry import build_model
 from forge_service.runner.model_runner import ModelRunner
+from forge_service.structured import GrammarCompiler, MatcherSet
 from forge_service.tokenizer import Tokenizer
 
 log = logging.getLogger("forge.engine")
@@ -78,6 +79,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.model_name = config.model.served_model_name or _name_from_path(path)
         self.eos_token_ids = tuple(ckpt.arch.eos_token_ids or self.tokenizer.eos_token_ids)
+        # Structured output: masks are as wide as the logits; the backend is built on first compile.
+        self.grammar_compiler = GrammarCompiler(self.tokenizer.backend, ckpt.arch.vocab_size, self.eos_token_ids)
+        self.runner.grammars = MatcherSet(self.grammar_compiler)
         self.token_texts = TokenTexts(self.tokenizer)
         self.processors: dict[str, CompletionProcessor] = {}
         self.parents: dict[str, _Parent] = {}
@@ -94,15 +98,19 @@ class LLMEngine:
         bound = self.config.scheduler.max_waiting
         if bound and self.scheduler.num_waiting + params.n > bound:
             raise QueueFull(f"the waiting queue is full ({self.scheduler.num_waiting} of {bound})")
+        # A cache hit when the servicer compiled it off the loop first; offline, compiled here.
+        grammar = None if params.constraint is None else self.grammar_compiler.compile(params.constraint)
         children = [self._child(request_id, prompt_token_ids, params, i) for i in range(params.n)]
         self.parents[request_id] = _Parent(request_id, list(prompt_token_ids), [c.request_id for c in children])
         for child in children:
             self.processors[child.request_id] = CompletionProcessor(self.tokenizer, child, self.token_texts)
+            if grammar is not None:  # each completion its own matcher
+                self.runner.grammars.add(child.request_id, grammar)
             self.scheduler.add(child)
 
     def _child(self, request_id: str, prompt: list[int], params: SamplingParams, index: int) -> Request:
         stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
+        if not params.ignore_eos or params.constraint is not None:  # a grammar allows EOS only at its end
             stops.update(self.eos_token_ids)
         return Request(
             request_id=request_id if params.n == 1 else f"{request_id}#{index}",
@@ -162,6 +170,9 @@ class LLMEngine:
         parent = self.parents.get(request.parent_id)
         if processor is None or parent is None:  # aborted between schedule and now
             return
+        if s.refused:  # outside its grammar: neither passed off as complete nor continued unconstrained
+            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ABORTED)
+            request.status, request.stop_reason = RequestStatus.FINISHED_ABORTED, None
         delta, matched = processor.process(request, s)
         if matched is not None:
             self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)

@@ -4,8 +4,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from forge_service.errors import InvalidArgument
+
+if TYPE_CHECKING:  # the structured package pulls in torch; requests stay plain Python
+    from forge_service.structured.constraint import Constraint
 
 
 @dataclass
@@ -30,6 +34,10 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured output: the text must match it (JSON Schema, any JSON object, regex, choice,
+    # grammar). Compiled by the engine, not by validate(); with it, EOS ends the output exactly
+    # when the text is complete, even with ignore_eos.
+    constraint: Constraint | None = None
 
     MAX_LOGPROBS = 20
 

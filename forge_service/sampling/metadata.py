@@ -53,7 +53,8 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row -> its generator, for seeded rows that sample
     shared_noise: bool  # some row samples without a generator: one batched draw serves them all
     max_num_logprobs: int | None  # the largest `logprobs` asked for; None when no row asked
-    # bool [N, V], True = allowed. Set by structured output after build.
+    # Allowed tokens, set by structured output after build: packed int32 [N, ceil(V / 32)]
+    # (bit j of word w allows token 32w + j; forge_service/structured/bitmask.py) or bool [N, V].
     token_bitmask: torch.Tensor | None = None
 
     @classmethod

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from forge_service.sampling import ops
 from forge_service.sampling.metadata import SamplingMetadata
+from forge_service.structured.bitmask import apply_token_bitmask_
 
 _TINY = torch.finfo(torch.float32).tiny
 _BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
@@ -38,9 +39,7 @@ class Sampler:
         # logits: float32 [N, V]; never modified.
         assert logits.dtype == torch.float32 and logits.shape == (meta.num_rows, meta.vocab_size)
         raw_logprobs = None if meta.max_num_logprobs is None else torch.log_softmax(logits, -1)
-        logits = apply_penalties(logits, meta)
-        if meta.token_bitmask is not None:
-            logits = torch.where(meta.token_bitmask, logits, float("-inf"))
+        logits = apply_token_bitmask(apply_penalties(logits, meta), meta.token_bitmask, original=logits)
         token_ids = _choose(logits, meta)
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None, None, None, None)
@@ -66,6 +65,18 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     if meta.logit_bias is not None:
         flat.index_add_(0, meta.logit_bias.index, meta.logit_bias.values)
     return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | None,
+                        original: torch.Tensor) -> torch.Tensor:
+    """Disallowed tokens' logits become -inf. bitmask: packed int32 [N, ceil(V / 32)] (the
+    structured-output form) or bool [N, V], True = allowed; None: no mask. Works in place
+    unless `logits` is `original` (the caller's tensor, which must not change)."""
+    if bitmask is None:
+        return logits
+    if bitmask.dtype == torch.bool:
+        return torch.where(bitmask, logits, float("-inf"))
+    return apply_token_bitmask_(logits.clone() if logits is original else logits, bitmask)
 
 
 def _choose(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

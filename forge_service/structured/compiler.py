@@ -16,7 +16,8 @@ from typing import Sequence
 import torch
 from tokenizers import Tokenizer
 
-from forge_service.structured.backend import DEFAULT_BACKEND, BackendGrammar, create_backend
+from forge_service.errors import InvalidArgument
+from forge_service.structured.backend import BACKENDS, DEFAULT_BACKEND, BackendGrammar, GrammarBackend, create_backend
 from forge_service.structured.bitmask import pack_bitmask
 from forge_service.structured.constraint import Constraint
 
@@ -43,17 +44,29 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int], *,
                  backend: str = DEFAULT_BACKEND, max_cached: int = 512, compile_threads: int = 2) -> None:
-        assert eos_token_ids, "structured output needs at least one EOS token id"
+        if backend not in BACKENDS:  # a deployment setting, checked at start-up
+            raise ValueError(f"unknown structured output backend {backend!r}; expected one of {sorted(BACKENDS)}")
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.backend = create_backend(backend, tokenizer, vocab_size, sorted(self.eos_token_ids))
+        self._backend_args = (backend, tokenizer, vocab_size, sorted(self.eos_token_ids))
+        self._backend: GrammarBackend | None = None
         eos_only = torch.zeros(1, vocab_size, dtype=torch.bool)
         eos_only[0, sorted(self.eos_token_ids)] = True
         self._eos_only_row = pack_bitmask(eos_only)[0]
         self._max_cached = max_cached
         self._cache: OrderedDict[Constraint, Future[CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()
+        self._backend_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=compile_threads, thread_name_prefix="forge-grammar")
+
+    @property
+    def backend(self) -> GrammarBackend:
+        """The backend, built on first use: llguidance indexes the vocabulary (~0.5 s), so an
+        engine that never sees a constraint never pays for it, and compiles pay for it off-loop."""
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = create_backend(*self._backend_args)
+            return self._backend
 
     def compile_async(self, constraint: Constraint) -> Future[CompiledGrammar]:
         """A future for the compiled grammar; done at once on a cache hit. Never blocks."""
@@ -100,6 +113,8 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, constraint: Constraint) -> CompiledGrammar:
+        if not self.eos_token_ids:  # nothing could end a constrained output
+            raise InvalidArgument("structured output needs an end-of-sequence token, and this model has none")
         grammar = self.backend.compile(constraint)
         return CompiledGrammar(constraint, grammar, self.vocab_size, self.eos_token_ids, self._eos_only_row)
 
