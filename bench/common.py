@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -31,7 +33,8 @@ def chat_prompts(n: int) -> list[list[dict[str, str]]]:
 
 
 def machine() -> dict[str, object]:
-    cpu = platform.processor()
+    """The machine a benchmark ran on: CPU model, cores, load, GPUs when nvidia-smi is there."""
+    cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -39,19 +42,17 @@ def machine() -> dict[str, object]:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+    info: dict[str, object] = {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+                               "platform": platform.platform(), "load_average": os.getloadavg()}
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"]
+        result = subprocess.run(query, capture_output=True, text=True, timeout=10)
+        info["gpus"] = [g.strip() for g in result.stdout.splitlines() if g.strip()]
+    return info
 
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
-    return s[k]
 
 
 def table(rows: list[dict[str, object]], columns: list[str]) -> str:

@@ -14,16 +14,17 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import shutil
 import statistics
-import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import machine  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # A fixed, model-independent prompt; its token count comes back in usage.prompt_tokens.
@@ -40,25 +41,6 @@ class Sample:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
-
-
-def machine() -> dict[str, Any]:
-    """The machine this client ran on (the server may run elsewhere)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
-                            "python": platform.python_version()}
-    if shutil.which("nvidia-smi"):
-        query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"]
-        result = subprocess.run(query, capture_output=True, text=True, timeout=10)
-        info["gpus"] = [g.strip() for g in result.stdout.splitlines() if g.strip()]
-    return info
 
 
 def request_body(args: argparse.Namespace, model: str) -> tuple[str, dict[str, Any]]:

@@ -24,7 +24,6 @@ import importlib.metadata as md
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import machine  # noqa: E402
 from bench.structured_candidates import CANDIDATES  # noqa: E402
 from tests.integration.structured_schemas import EXAMPLES, SCHEMAS, UNREFUSABLE  # noqa: E402
 
@@ -206,20 +206,14 @@ def apply_costs(vocab_size: int, repeats: int) -> dict[str, Any]:
 
 # --- main ----------------------------------------------------------------------------------
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    if Path("/proc/cpuinfo").exists():
-        names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                 if ln.startswith("model name")]
-        cpu = names[0] if names else cpu
+def machine_and_versions() -> dict[str, Any]:
     versions = {}
     for pkg in ("xgrammar", "llguidance", "outlines_core", "torch", "tokenizers"):
         try:
             versions[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             versions[pkg] = "not installed"
-    return {"cpu": cpu, "cores_available": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-            "platform": platform.platform(), "versions": versions, "load_average_before": os.getloadavg()}
+    return {**machine(), "versions": versions}
 
 
 def load_tokenizer():
@@ -294,7 +288,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tok, vocab_size, eos = load_tokenizer()
-    info = machine()
+    info = machine_and_versions()
     print(f"machine: {info['cpu']}, {info['cores_available']} cores, {info['versions']}")
     names = [n for n in args.backends.split(",") if importlib.util.find_spec(CANDIDATES[n].module) is not None]
     # Missing ones: pip install -c constraints.txt xgrammar==0.2.8 outlines-core==0.2.14

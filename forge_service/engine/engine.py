@@ -10,7 +10,7 @@ import torch
 from forge_service.backends.cpu import BACKENDS
 from forge_service.config import EngineConfig
 from forge_service.engine.output_processor import CompletionProcessor, TokenTexts
-from forge_service.engine.output_types import CompletionOutput, RequestOutput
+from forge_service.engine.output_types import RequestOutput
 from forge_service.engine.request import Request, RequestStatus, SamplingParams
 from forge_service.engine.scheduler import Scheduler
 from forge_service.errors import InvalidArgument, QueueFull
