@@ -74,7 +74,7 @@ class LLMEngine:
         self.model = build_model(path, ckpt.arch, ckpt.weights, BACKENDS[config.model.device]())
         self.max_model_len = min(config.model.max_model_len or ckpt.arch.max_position_embeddings,
                                  ckpt.arch.max_position_embeddings)
-        self.runner = ModelRunner(self.model, ckpt.arch, config.cache, self.dtype, self.max_model_len)
+        self.runner = ModelRunner(self.model, ckpt.arch, config.cache, self.dtype)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.model_name = config.model.served_model_name or _name_from_path(path)

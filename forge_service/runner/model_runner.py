@@ -32,7 +32,7 @@ def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int
 class ModelRunner:
     """Owns the K/V tensors, the per-request seeded generators and the sampler."""
 
-    def __init__(self, model, arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype, max_model_len: int) -> None:
+    def __init__(self, model, arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype) -> None:
         self.model = model
         self.arch = arch
         self.block_size = cache.block_size
