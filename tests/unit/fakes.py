@@ -6,9 +6,14 @@ types, so the async engine and the gRPC servicer can be tested without a model.
 """
 from __future__ import annotations
 
+import asyncio
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
+
+import httpx
 
 from forge_service.engine.request import SamplingParams
 from forge_service.errors import InvalidArgument, QueueFull
@@ -193,3 +198,32 @@ class FakeEngine:
             alternatives = [Logprob(t, -1.0 - r, r + 2, chr(t)) for r, t in enumerate(range(65, 65 + params.logprobs))]
             logprobs = [[Logprob(token, -0.5, 1, self.tokenizer.id_to_token(token)), *alternatives]]
         return CompletionOutput(seq.index, text, [token], logprobs, seq.finish_reason, seq.stop_reason)
+
+
+# ---- waiting helpers shared by the serving tests ------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str) -> None:
+    """Poll the gateway's /health until it answers 200 (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.ConnectError:
+            pass
+        assert time.monotonic() < deadline, "never ready"
+        time.sleep(0.02)
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.005)

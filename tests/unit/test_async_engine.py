@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import Any, Awaitable, Callable
 
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from forge_service.engine.async_engine import AsyncEngine
 from forge_service.engine.request import SamplingParams
 from forge_service.errors import ForgeError, InvalidArgument, QueueFull, Unavailable
-from tests.unit.fakes import FakeEngine
+from tests.unit.fakes import FakeEngine, until
 
 
 def run(body: Callable[[AsyncEngine], Awaitable[Any]], engine: FakeEngine | None = None,
@@ -65,7 +64,7 @@ def test_consumer_that_stops_early_aborts_the_request() -> None:
         async for _ in stream:
             break
         await stream.aclose()
-        await _until(lambda: fake.aborted == ["r1"])
+        await until(lambda: fake.aborted == ["r1"])
         assert not fake.has_unfinished_requests()
 
     run(body, fake)
@@ -76,11 +75,11 @@ def test_cancelled_consumer_aborts_the_request() -> None:
 
     async def body(e: AsyncEngine) -> None:
         task = asyncio.create_task(collect(e, "r1", b"y" * 50, max_tokens=50))
-        await _until(lambda: fake.steps >= 2)
+        await until(lambda: fake.steps >= 2)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await _until(lambda: fake.aborted == ["r1"])
+        await until(lambda: fake.aborted == ["r1"])
         assert e.num_in_flight == 0
 
     run(body, fake)
@@ -92,7 +91,7 @@ def test_full_waiting_queue_refuses_at_once() -> None:
 
     async def body(e: AsyncEngine) -> None:
         tasks = [asyncio.create_task(collect(e, f"r{i}", b"z" * 40, max_tokens=40)) for i in range(2)]
-        await _until(lambda: fake.stepped.is_set() and e.num_in_flight == 2)
+        await until(lambda: fake.stepped.is_set() and e.num_in_flight == 2)
         # Refused while the engine thread is still stuck in its step: no round trip to it.
         with pytest.raises(QueueFull, match="2 requests waiting, the bound is 2"):
             await collect(e, "late", b"late")
@@ -111,7 +110,7 @@ def test_pending_adds_count_against_the_bound_before_the_engine_sees_them() -> N
 
     async def body(e: AsyncEngine) -> None:
         first = asyncio.create_task(collect(e, "a", b"a"))
-        await _until(lambda: fake.stepped.is_set())  # the engine thread is inside a blocked step
+        await until(lambda: fake.stepped.is_set())  # the engine thread is inside a blocked step
         second = asyncio.create_task(collect(e, "b", b"b"))
         await asyncio.sleep(0.01)
         assert fake.added == ["a"] and e.stats().num_waiting == 1
@@ -183,7 +182,7 @@ def test_duplicate_request_id_is_refused() -> None:
 
     async def body(e: AsyncEngine) -> None:
         task = asyncio.create_task(collect(e, "same", b"q" * 30, max_tokens=30))
-        await _until(lambda: fake.steps >= 1)
+        await until(lambda: fake.steps >= 1)
         with pytest.raises(InvalidArgument, match="already in flight"):
             await collect(e, "same", b"q")
         task.cancel()
@@ -199,7 +198,7 @@ def test_shutdown_fails_in_flight_requests_and_refuses_new_ones() -> None:
         e = AsyncEngine(fake)
         e.start()
         task = asyncio.create_task(collect(e, "r1", b"s" * 50, max_tokens=50))
-        await _until(lambda: fake.steps >= 1)
+        await until(lambda: fake.steps >= 1)
         await e.shutdown()
         with pytest.raises(Unavailable):
             await task
@@ -215,17 +214,9 @@ def test_stats_are_a_snapshot_from_the_engine_thread() -> None:
 
     async def body(e: AsyncEngine) -> None:
         task = asyncio.create_task(collect(e, "r1", b"k" * 20, max_tokens=20))
-        await _until(lambda: e.stats().num_running == 1)
+        await until(lambda: e.stats().num_running == 1)
         assert e.stats().kv_blocks_used == 2
         await task
-        await _until(lambda: e.stats().num_running == 0)
+        await until(lambda: e.stats().num_running == 0)
 
     run(body, fake)
-
-
-async def _until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.005)

@@ -7,16 +7,14 @@ import json
 import socket
 import sys
 import threading
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from forge_service.config import ServiceConfig
 from forge_service.serve import run_all_async
 from forge_service.server import ForgeService
-from tests.unit.fakes import FakeEngine
+from tests.unit.fakes import FakeEngine, wait_ready
 
 pytestmark = pytest.mark.timeout(60)
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "serve.py"
@@ -28,18 +26,6 @@ def load_bench():
     sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
     spec.loader.exec_module(module)
     return module
-
-
-def wait_ready(url: str) -> None:
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return
-        except httpx.ConnectError:
-            pass
-        assert time.monotonic() < deadline, "never ready"
-        time.sleep(0.02)
 
 
 def test_bench_serve_reports_latencies_and_throughput(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import time
 
 import httpx
@@ -14,27 +13,9 @@ import pytest
 from forge_service.config import ServiceConfig
 from forge_service.serve import run_all_async
 from forge_service.server import ForgeService, Phase
-from tests.unit.fakes import FakeEngine
+from tests.unit.fakes import FakeEngine, free_port, wait_ready
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str) -> None:
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return
-        except httpx.ConnectError:
-            pass
-        assert time.monotonic() < deadline, "never ready"
-        time.sleep(0.02)
 
 
 def test_one_process_serves_openai_clients_and_drains_on_sigterm() -> None:

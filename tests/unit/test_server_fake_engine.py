@@ -5,7 +5,6 @@ import asyncio
 import os
 import signal
 import threading
-import time
 from typing import Any, Awaitable, Callable
 
 import grpc
@@ -18,7 +17,7 @@ from forge_service.config import ServiceConfig
 from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
 from forge_service.server import ForgeService, Phase
-from tests.unit.fakes import FakeEngine
+from tests.unit.fakes import FakeEngine, until
 
 pytestmark = pytest.mark.timeout(60)
 CONFIG = ServiceConfig(host="127.0.0.1", grpc_port=0, drain_timeout_s=5.0)
@@ -184,7 +183,7 @@ def test_deadline_aborts_the_request_with_deadline_exceeded() -> None:
             rpc = call(request, timeout=0.3)
             code, _ = await code_of(rpc if call is h.stub.Generate else stream_all_call(rpc))
             assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-            await _until(lambda: request.request_id in fake.aborted)
+            await until(lambda: request.request_id in fake.aborted)
         assert h.service.in_flight == 0
 
     run(body, fake)
@@ -202,8 +201,8 @@ def test_cancelled_stream_aborts_the_request() -> None:
         first = await call.read()
         assert first.chunk.text == "c"
         call.cancel()
-        await _until(lambda: fake.aborted == ["cx"])
-        await _until(lambda: not fake.has_unfinished_requests())
+        await until(lambda: fake.aborted == ["cx"])
+        await until(lambda: not fake.has_unfinished_requests())
 
     run(body, fake)
 
@@ -214,7 +213,7 @@ def test_full_queue_is_resource_exhausted_at_once() -> None:
 
     async def body(h: Harness) -> None:
         calls = [h.stub.Generate(text_request("q" * 30, max_tokens=30)) for _ in range(2)]
-        await _until(lambda: fake.stepped.is_set() and h.service.model.engine.num_in_flight == 2)
+        await until(lambda: fake.stepped.is_set() and h.service.model.engine.num_in_flight == 2)
         code, details = await code_of(h.stub.Generate(text_request("late")))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "the bound is 2" in details
         fake.gate.set()
@@ -288,7 +287,7 @@ def test_health_reports_queue_depth_and_kv_usage() -> None:
     async def body(h: Harness) -> None:
         calls = [h.stub.Generate(text_request("k" * 30, max_tokens=30)) for _ in range(3)]
         stats = h.service.model.engine.stats
-        await _until(lambda: (stats().num_running, stats().num_waiting) == (1, 2))
+        await until(lambda: (stats().num_running, stats().num_waiting) == (1, 2))
         state = await h.stub.Health(pb.HealthRequest())
         assert (state.num_running, state.num_waiting, state.kv_blocks_used) == (1, 2, 2)
         assert state.kv_cache_usage == pytest.approx(0.02)
@@ -317,9 +316,9 @@ def test_drain_refuses_new_work_and_lets_in_flight_finish() -> None:
 
     async def body(h: Harness) -> None:
         in_flight = asyncio.ensure_future(h.stub.Generate(text_request("f" * 30, max_tokens=30)))
-        await _until(lambda: h.service.in_flight == 1)
+        await until(lambda: h.service.in_flight == 1)
         drain = asyncio.create_task(h.service.drain(timeout_s=10))
-        await _until(lambda: h.service.phase is Phase.DRAINING)
+        await until(lambda: h.service.phase is Phase.DRAINING)
         assert await h.readiness() == health_pb2.HealthCheckResponse.NOT_SERVING
         assert await h.readiness("") == health_pb2.HealthCheckResponse.SERVING
         code, _ = await code_of(h.stub.Generate(text_request("new")))
@@ -335,7 +334,7 @@ def test_drain_timeout_cancels_what_is_left() -> None:
 
     async def body(h: Harness) -> None:
         call = h.stub.Generate(text_request("t" * 100, max_tokens=100, request_id="slow"))
-        await _until(lambda: h.service.in_flight == 1)
+        await until(lambda: h.service.in_flight == 1)
         assert await h.service.drain(timeout_s=0.1) is False
         await h.service.stop()
         code, _ = await code_of(call)
@@ -354,20 +353,12 @@ def test_sigterm_drains_then_returns() -> None:
         running = asyncio.create_task(service.run())
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.ForgeStub(channel)
-            await _until(lambda: service.phase is Phase.READY)
+            await until(lambda: service.phase is Phase.READY)
             in_flight = asyncio.ensure_future(stub.Generate(text_request("s" * 20, max_tokens=20)))
-            await _until(lambda: service.in_flight == 1)
+            await until(lambda: service.in_flight == 1)
             os.kill(os.getpid(), signal.SIGTERM)
             assert (await in_flight).choices[0].text == "s" * 20
             await asyncio.wait_for(running, 10)
         assert service.phase is Phase.DRAINING and not fake.aborted
 
     asyncio.run(main())
-
-
-async def _until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.005)
