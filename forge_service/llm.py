@@ -76,6 +76,7 @@ class LLM:
 
 def _accumulate(total: RequestOutput, delta: RequestOutput) -> None:
     total.finished = total.finished or delta.finished
+    total.num_cached_tokens = max(total.num_cached_tokens, delta.num_cached_tokens)
     for d in delta.outputs:
         o = total.outputs[d.index]
         o.text += d.text

@@ -75,7 +75,7 @@ class LLMEngine:
         self.max_model_len = min(config.model.max_model_len or ckpt.arch.max_position_embeddings,
                                  ckpt.arch.max_position_embeddings)
         self.runner = ModelRunner(self.model, ckpt.arch, config.cache, self.dtype)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.model_name = config.model.served_model_name or _name_from_path(path)
         self.eos_token_ids = tuple(ckpt.arch.eos_token_ids or self.tokenizer.eos_token_ids)
@@ -182,6 +182,7 @@ class LLMEngine:
             parent.finished.add(request.request_id)
             self._forget(request.request_id)
         out = deltas.setdefault(parent.request_id, RequestOutput(parent.request_id, parent.prompt_token_ids, []))
+        out.num_cached_tokens = max(out.num_cached_tokens, request.num_cached_tokens)
         out.outputs.append(delta)
         if len(parent.finished) == len(parent.children):
             out.finished = True

@@ -121,6 +121,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Prompt tokens whose KV came from the prefix cache at first admission.
+    num_cached_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     # The token (id) or stop string that ended the request, when one did.

@@ -82,6 +82,7 @@ class Scheduler:
             assert request.num_computed_tokens == chunk.start, (request.request_id, chunk.start)
             samples = chunk.samples  # before the new token moves num_tokens
             request.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids_slice)
             if samples:
                 self._append_token(request, sampled[request.request_id])
                 got_token.append(request)
@@ -133,10 +134,16 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            cached = self.kv.match_prefix(request.request_id, request.all_token_ids)
+            request.num_computed_tokens = cached
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             block_ids = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n)
             if block_ids is None:
+                self.kv.free(request.request_id)  # give back the shared prefix until it can run
+                request.num_computed_tokens = 0
                 return  # FIFO: nobody overtakes the head of the queue
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -1,7 +1,13 @@
 """Per-request block tables over a BlockPool. Plain ints, no torch."""
 from __future__ import annotations
 
+from typing import Callable
+
 from forge_service.kv_cache.block_pool import BlockPool
+
+# A full block's key: (the previous block's key, this block's token ids). Keys are compared by
+# value, so two blocks share a key only when their whole prefixes are equal: no hash collisions.
+BlockKey = tuple
 
 
 class KVCacheManager:
@@ -11,11 +17,13 @@ class KVCacheManager:
     until `free` returns them to the pool.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
         assert block_size > 0, block_size
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.prefix_caching = prefix_caching
         self._tables: dict[str, list[int]] = {}
+        self._keys: dict[str, list[BlockKey]] = {}  # keys of each request's full, computed blocks
 
     @property
     def num_blocks(self) -> int:
@@ -60,5 +68,42 @@ class KVCacheManager:
         future prefix hit) are evicted before its first ones.
         """
         table = self._tables.pop(request_id, None)
+        self._keys.pop(request_id, None)
         if table:
             self.pool.free(reversed(table))
+
+    # ---- automatic prefix caching ----
+    def match_prefix(self, request_id: str, token_ids: list[int]) -> int:
+        """Before a request's first allocation: share the cached blocks holding a prefix of
+        `token_ids`. Returns how many tokens they cover (always fewer than len(token_ids), so at
+        least one token is computed and yields logits)."""
+        if not self.prefix_caching or self._tables.get(request_id):
+            return 0
+        key: BlockKey | None = None
+        blocks: list[int] = []
+        keys: list[BlockKey] = []
+        bs = self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            key = (key, tuple(token_ids[i * bs:(i + 1) * bs]))
+            block = self.pool.get_cached_block(key)
+            if block is None:
+                break
+            blocks.append(block)
+            keys.append(key)
+        if blocks:
+            self.pool.incref(blocks)
+            self._tables[request_id], self._keys[request_id] = blocks, keys
+        return len(blocks) * bs
+
+    def cache_computed(self, request_id: str, num_computed: int,
+                       token_ids_slice: Callable[[int, int], list[int]]) -> None:
+        """Register the request's blocks that its first `num_computed` tokens have filled."""
+        if not self.prefix_caching:
+            return
+        keys = self._keys.setdefault(request_id, [])
+        table = self._tables.get(request_id, [])
+        bs = self.block_size
+        for i in range(len(keys), min(num_computed // bs, len(table))):
+            key = (keys[-1] if keys else None, tuple(token_ids_slice(i * bs, (i + 1) * bs)))
+            keys.append(key)
+            self.pool.cache_block(table[i], key)

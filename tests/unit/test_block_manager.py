@@ -106,3 +106,47 @@ def test_manager_free_is_idempotent_and_frees_tail_first():
     assert kv.num_free_blocks == 4 and kv.usage == 0.0
     assert kv.pool.free_block_ids() == [3, 2, 1, 0]
     assert kv.allocate_slots("b", 2) == [3, 2]
+
+
+# ---- automatic prefix caching ---------------------------------------------------------------
+
+def computed(kv: KVCacheManager, request_id: str, tokens: list[int]) -> list[int]:
+    """Allocate and mark all of `tokens` computed, as the scheduler does after a step."""
+    table = kv.allocate_slots(request_id, len(tokens))
+    kv.cache_computed(request_id, len(tokens), lambda a, b: tokens[a:b])
+    return table
+
+
+def test_prefix_blocks_are_shared_and_outlive_their_request():
+    kv = KVCacheManager(num_blocks=8, block_size=4, prefix_caching=True)
+    first = computed(kv, "a", list(range(10)))  # blocks for [0..3], [4..7] are full; [8, 9] is not
+    assert kv.match_prefix("b", list(range(9)) + [99]) == 8  # both full blocks match
+    assert kv.block_ids("b") == first[:2]
+    assert kv.pool.ref_counts[first[0]] == 2
+    kv.free("a")
+    kv.free("b")
+    assert kv.num_used_blocks == 0
+    # freed but still cached: a later request with the same prefix finds them
+    assert kv.match_prefix("c", list(range(8)) + [5]) == 8
+    assert kv.block_ids("c") == first[:2]
+
+
+def test_prefix_match_needs_the_whole_prefix_and_leaves_a_token_to_compute():
+    kv = KVCacheManager(num_blocks=8, block_size=4, prefix_caching=True)
+    computed(kv, "a", list(range(8)))
+    assert kv.match_prefix("b", [7] + list(range(1, 8)) + [1]) == 0  # first block differs: nothing
+    assert kv.block_ids("b") == []
+    assert kv.match_prefix("c", list(range(8))) == 4  # exactly 8 tokens: the last block is recomputed
+    assert kv.match_prefix("d", list(range(4)) + [9, 9, 9, 9, 9]) == 4
+
+
+def test_prefix_caching_off_by_default_and_evicted_blocks_are_forgotten():
+    plain = KVCacheManager(num_blocks=4, block_size=4)
+    computed(plain, "a", list(range(8)))
+    assert plain.match_prefix("b", list(range(9))) == 0
+    kv = KVCacheManager(num_blocks=2, block_size=4, prefix_caching=True)
+    computed(kv, "a", list(range(8)))
+    kv.free("a")
+    computed(kv, "x", [50] * 8)  # reuses both blocks: the old keys are dropped
+    kv.free("x")
+    assert kv.match_prefix("b", list(range(9))) == 0

@@ -149,3 +149,19 @@ def test_bf16_follows_fp32(tiny_dir, llm):
         assert g.outputs[0].token_ids == r.outputs[0].token_ids
         diffs = [abs(a[0].logprob - b[0].logprob) for a, b in zip(g.outputs[0].logprobs, r.outputs[0].logprobs)]
         assert max(diffs) < 0.1
+
+
+def test_prefix_caching_reuses_blocks_without_changing_outputs(tiny_dir):
+    shared = list(range(3, 67))  # 64 tokens: four full blocks of 16
+    prompts = [shared + [100 + i, 120 + i] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = LLM(model=str(tiny_dir), dtype="float32")
+    plain.engine.kv.prefix_caching = False
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    cached = LLM(model=str(tiny_dir), dtype="float32")
+    first = cached.generate(prompts[:1], params)[0]
+    assert first.num_cached_tokens == 0
+    rest = cached.generate(prompts[1:], params)
+    assert [first.outputs[0].token_ids] + [o.outputs[0].token_ids for o in rest] == want
+    assert [o.num_cached_tokens for o in rest] == [64, 64, 64]
+    assert cached.engine.kv.num_used_blocks == 0
