@@ -156,9 +156,9 @@ def test_prefix_caching_reuses_blocks_without_changing_outputs(tiny_dir):
     prompts = [shared + [100 + i, 120 + i] for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     plain = LLM(model=str(tiny_dir), dtype="float32")
-    plain.engine.kv.prefix_caching = False
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    cached = LLM(model=str(tiny_dir), dtype="float32")
+    assert plain.generate(prompts[:1], params)[0].num_cached_tokens == 0  # off by default
+    cached = LLM(model=str(tiny_dir), dtype="float32", enable_prefix_caching=True)
     first = cached.generate(prompts[:1], params)[0]
     assert first.num_cached_tokens == 0
     rest = cached.generate(prompts[1:], params)
