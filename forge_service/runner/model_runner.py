@@ -58,10 +58,10 @@ class ModelRunner:
         decodes = [c for c in out.chunks if c.num_tokens == 1]
         prefills = [c for c in out.chunks if c.num_tokens > 1]
         ordered = decodes + prefills  # decodes first: they are attended as one padded batch
-        input_ids, positions, slots, logit_rows = self._flat_inputs(ordered)
+        input_ids, positions, slots, logit_rows, tables = self._flat_inputs(ordered)
         meta = AttentionMetadata(slot_mapping=slots, block_size=self.block_size, num_decode_tokens=len(decodes))
         if decodes:
-            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decodes)
+            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decodes, tables[:len(decodes)])
         meta.prefills = self._prefill_seqs(prefills, len(decodes))
         sampling = [c for c in ordered if c.samples]
         if not sampling:
@@ -86,7 +86,7 @@ class ModelRunner:
         # slot of each new token: block_table[row, pos // bs] * bs + pos % bs
         rows = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor([c.num_tokens for c in chunks]))
         slots = tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
-        return torch.tensor(ids), positions, slots, logit_rows
+        return torch.tensor(ids), positions, slots, logit_rows, tables
 
     @staticmethod
     def _block_tables(chunks: list[ScheduledChunk]) -> torch.Tensor:
@@ -98,10 +98,11 @@ class ModelRunner:
         p = torch.arange(length)
         return tables[:, p // self.block_size] * self.block_size + p % self.block_size
 
-    def _decode_tables(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        # Only the blocks that hold context: a table may already own a block for the next token.
+    def _decode_tables(self, decodes: list[ScheduledChunk], tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # tables: the decode rows of the step's block tables (padded with 0). Keep only the blocks
+        # that hold context: a table may already own a block for the next token.
         width = max(-(-c.end // self.block_size) for c in decodes)
-        tables = torch.tensor([(c.block_ids + [0] * width)[:width] for c in decodes])  # [D, W]
+        tables = tables[:, :width]  # [D, W]
         lens = torch.tensor([c.end for c in decodes])
         mask = torch.arange(width * self.block_size).unsqueeze(0) < lens.unsqueeze(1)  # [D, Lmax]
         return tables, mask[:, None, None, :]
