@@ -18,7 +18,7 @@ ENGINE_FLAGS = [
     ("--kv-cache-bytes", "kv_cache_bytes", int, "memory for the KV cache"),
     ("--num-blocks", "num_blocks", int, "number of KV-cache blocks (overrides --kv-cache-bytes)"),
     ("--enable-prefix-caching", "enable_prefix_caching", lambda v: v.lower() in ("1", "true", "yes", "on"),
-     "share the KV of identical prompt prefixes across requests (true/false)"),
+     "share the KV of identical prompt prefixes across requests (true/false; default true)"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget per step"),
     ("--max-num-seqs", "max_num_seqs", int, "most requests running at once"),
     ("--max-waiting", "max_waiting", int, "most requests waiting; past it RESOURCE_EXHAUSTED (0: unbounded)"),

@@ -28,9 +28,8 @@ class CacheConfig:
     kv_cache_bytes: int = 1 << 30
     # Overrides kv_cache_bytes when set (tests use it to force preemption).
     num_blocks: int | None = None
-    # Reuse the KV of full blocks whose whole prefix matches an earlier request's. Off by default
-    # until an interaction with a one-seat scheduler seen in the serving tests is understood.
-    enable_prefix_caching: bool = False
+    # Reuse the KV of full blocks whose whole prefix matches an earlier request's.
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)

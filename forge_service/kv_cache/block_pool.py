@@ -14,7 +14,7 @@ class BlockPool:
     Prefix caching hooks: a full block may be given a content hash (`cache_block`). Its hash
     stays valid while the block sits in the free queue, so `get_cached_block` can find it and
     `incref` can revive it (taking it out of the queue) until `allocate` reuses the block, which
-    evicts the hash. The KV cache manager does not use these yet.
+    evicts the hash.
     """
 
     def __init__(self, num_blocks: int) -> None:

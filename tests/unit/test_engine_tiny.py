@@ -155,10 +155,10 @@ def test_prefix_caching_reuses_blocks_without_changing_outputs(tiny_dir):
     shared = list(range(3, 67))  # 64 tokens: four full blocks of 16
     prompts = [shared + [100 + i, 120 + i] for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    plain = LLM(model=str(tiny_dir), dtype="float32")
+    plain = LLM(model=str(tiny_dir), dtype="float32", enable_prefix_caching=False)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    assert plain.generate(prompts[:1], params)[0].num_cached_tokens == 0  # off by default
-    cached = LLM(model=str(tiny_dir), dtype="float32", enable_prefix_caching=True)
+    assert plain.generate(prompts[:1], params)[0].num_cached_tokens == 0
+    cached = LLM(model=str(tiny_dir), dtype="float32")  # on by default
     first = cached.generate(prompts[:1], params)[0]
     assert first.num_cached_tokens == 0
     rest = cached.generate(prompts[1:], params)

@@ -102,7 +102,9 @@ def test_a_full_queue_answers_429_with_retry_after(small_server: ForgeProcess) -
     try:
         with httpx.stream("POST", small_server.url + "/v1/chat/completions", json=endless, headers=AUTH,
                           timeout=120) as running:
-            next(data_lines(running.iter_lines()))
+            # Hold the line iterator: dropping it would close the connection and cancel the stream.
+            lines = data_lines(running.iter_lines())
+            next(lines)
             assert small_server.health().num_running == 1  # the one seat is taken
             arrivals = [pool.submit(post_chat, small_server, max_tokens=2) for _ in range(3)]
             small_server.wait_until(lambda: sum(f.done() for f in arrivals) >= 2, 30, "two answers")
