@@ -71,7 +71,7 @@ class LLMEngine:
         ckpt = load_checkpoint(path, self.dtype)
         self.tokenizer = Tokenizer.from_path(path)
         self.arch = ckpt.arch
-        self.model = build_model(path, ckpt.arch, ckpt.weights, BACKENDS[config.model.device]())
+        self.model = build_model(path, ckpt.arch, ckpt.weights, BACKENDS[config.model.device](), ckpt.int4)
         self.max_model_len = min(config.model.max_model_len or ckpt.arch.max_position_embeddings,
                                  ckpt.arch.max_position_embeddings)
         self.runner = ModelRunner(self.model, ckpt.arch, config.cache, self.dtype)

@@ -1,12 +1,13 @@
 """What every loader returns, and the checks that make a checkpoint safe to hand to a model."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from forge_service.errors import ModelLoadError
+from forge_service.layers.linear import Int4Weight
 from forge_service.models.arch import ArchConfig
 
 # llama.cpp's per-dimension rope divisors (llama3 rope scaling), kept float32 and 1-D.
@@ -24,6 +25,9 @@ class Checkpoint:
     format: str  # "gguf" | "safetensors"
     arch: ArchConfig
     weights: dict[str, torch.Tensor]
+    # The 4-bit codes of weights the file stored in a 4-bit encoding (GGUF Q4_0/Q4_1/Q4_K), kept
+    # beside their dequantised copies when the compute dtype is bfloat16.
+    int4: dict[str, Int4Weight] = field(default_factory=dict)
 
 
 def expected_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:

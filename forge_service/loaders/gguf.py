@@ -9,7 +9,9 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from forge_service.errors import ModelLoadError
+from forge_service.layers.linear import Int4Weight
 from forge_service.loaders.common import ROPE_FREQ_FACTORS, Checkpoint, check_arch, check_tensors
+from forge_service.loaders.gguf_int4 import INT4_TYPES, int4_weight
 from forge_service.models.arch import ArchConfig
 
 # general.architecture -> model registry key.
@@ -97,7 +99,9 @@ def load_gguf(path: str, dtype: torch.dtype) -> Checkpoint:
     weights = {name: _decode(t, name, arch, dtype) for name, t in tensors.items()}
     if arch.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-    return Checkpoint(path=path, format="gguf", arch=arch, weights=weights)
+    int4 = {name: _int4(t, name, arch) for name, t in tensors.items()
+            if dtype == torch.bfloat16 and t.tensor_type in INT4_TYPES and name.endswith("proj.weight")}
+    return Checkpoint(path=path, format="gguf", arch=arch, weights=weights, int4=int4)
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
@@ -234,6 +238,16 @@ def _decode(t: gguf.ReaderTensor, name: str, arch: ArchConfig, dtype: torch.dtyp
     elif name.endswith("k_proj.weight"):
         w = unpermute_qk(w, arch.num_kv_heads)
     return w.to(dtype).contiguous()
+
+
+def _int4(t: gguf.ReaderTensor, name: str, arch: ArchConfig) -> Int4Weight:
+    rows, cols = reversed(t.shape.tolist())
+    w = int4_weight(t.data, t.tensor_type, rows, cols)
+    if name.endswith("q_proj.weight"):
+        return w.rows(unpermute_qk(torch.arange(rows), arch.num_heads))
+    if name.endswith("k_proj.weight"):
+        return w.rows(unpermute_qk(torch.arange(rows), arch.num_kv_heads))
+    return w
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:

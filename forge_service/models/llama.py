@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from forge_service.layers.attention import AttentionMetadata
+from forge_service.layers.linear import Int4Weight, Linear, int4_supported
 from forge_service.layers.norm import rms_norm
 from forge_service.layers.rotary import RotaryEmbedding, apply_rotary
 from forge_service.models.arch import ArchConfig
@@ -18,39 +19,50 @@ REFINE_CANDIDATES = 8
 @dataclass
 class LlamaLayer:
     input_norm: torch.Tensor  # [D]
-    qkv: torch.Tensor  # [(H + 2 Hkv) * hd, D], fused at load time
-    o_proj: torch.Tensor  # [D, H * hd]
+    qkv: Linear  # [(H + 2 Hkv) * hd, D], fused at load time
+    o_proj: Linear  # [D, H * hd]
     post_norm: torch.Tensor  # [D]
-    gate_up: torch.Tensor  # [2 F, D], fused at load time
-    down: torch.Tensor  # [D, F]
+    gate_up: Linear  # [2 F, D], fused at load time
+    down: Linear  # [D, F]
 
 
 class LlamaModel:
     """Weights plus a forward; knows nothing of requests, only of a flat token batch."""
 
-    def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], backend) -> None:
+    def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], backend,
+                 int4: dict[str, Int4Weight] | None = None) -> None:
         self.arch = arch
         self.backend = backend
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.embed = weights["model.embed_tokens.weight"]  # [V, D]
-        self.lm_head = weights.get("lm_head.weight", self.embed)  # [V, D]
+        # [V, D]. In bf16 a decode step reads it as int8: its leading logits are refined anyway.
+        self.lm_head = Linear(weights.get("lm_head.weight", self.embed), int8_rows=self.dtype == torch.bfloat16)
         self.norm = weights["model.norm.weight"]
-        self.layers = [self._layer(weights, i) for i in range(arch.num_layers)]
+        self.layers = [self._layer(weights, int4 or {}, i) for i in range(arch.num_layers)]
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                       arch.rope_scaling, weights.get("model.rope_freq_factors"))
         self.scale = arch.head_dim ** -0.5
 
     @staticmethod
-    def _layer(w: dict[str, torch.Tensor], i: int) -> LlamaLayer:
+    def _layer(w: dict[str, torch.Tensor], int4: dict[str, Int4Weight], i: int) -> LlamaLayer:
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
+
+        def linear(*names: str) -> Linear:
+            # Fused when several; the 4-bit form only when every part has one.
+            weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
+            parts = [int4.get(n) for n in names]
+            if None in parts or not int4_supported(weight):
+                return Linear(weight)
+            return Linear(weight, Int4Weight.cat(parts) if len(parts) > 1 else parts[0])
+
         return LlamaLayer(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv=torch.cat([w[attn + "q_proj.weight"], w[attn + "k_proj.weight"], w[attn + "v_proj.weight"]]),
-            o_proj=w[attn + "o_proj.weight"],
+            qkv=linear(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+            o_proj=linear(attn + "o_proj.weight"),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]),
-            down=w[mlp + "down_proj.weight"],
+            gate_up=linear(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+            down=linear(mlp + "down_proj.weight"),
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -65,7 +77,7 @@ class LlamaModel:
                                     cos, sin, k_cache, v_cache, meta)
             x = x + self._mlp(layer, rms_norm(x, layer.post_norm, self.arch.rms_norm_eps))
         h = rms_norm(x[logits_indices], self.norm.float(), self.arch.rms_norm_eps)  # [N, D] fp32
-        logits = F.linear(h.to(self.dtype), self.lm_head).float()  # [N, V]
+        logits = self.lm_head(h.to(self.dtype)).float()  # [N, V]
         if self.dtype != torch.float32:
             self._refine_leaders(h, logits)
         return logits
@@ -74,22 +86,22 @@ class LlamaModel:
         # A bf16 GEMM rounds every logit to 8 mantissa bits, enough to flip near ties: recompute
         # the leading candidates of each row in fp32 (a full fp32 lm_head costs ~3x as much).
         top = logits.topk(REFINE_CANDIDATES, dim=-1).indices  # [N, k]
-        exact = torch.einsum("nd,nkd->nk", h, self.lm_head[top].float())
+        exact = torch.einsum("nd,nkd->nk", h, self.lm_head.weight[top].float())
         logits.scatter_(1, top, exact)
 
     def _attention(self, layer: LlamaLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         a = self.arch
         t = h.shape[0]
-        q, k, v = F.linear(h, layer.qkv).split(
-            [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], dim=-1)
-        q = apply_rotary(q.view(t, a.num_heads, a.head_dim), cos, sin)  # [T, H, hd]
-        k = apply_rotary(k.view(t, a.num_kv_heads, a.head_dim), cos, sin)  # [T, Hkv, hd]
+        qk, v = layer.qkv(h).split([(a.num_heads + a.num_kv_heads) * a.head_dim, a.num_kv_heads * a.head_dim], dim=-1)
+        # Q and K heads rotate together: one set of elementwise ops instead of two.
+        qk = apply_rotary(qk.view(t, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
+        q, k = qk.split([a.num_heads, a.num_kv_heads], dim=1)  # [T, H, hd], [T, Hkv, hd]
         v = v.view(t, a.num_kv_heads, a.head_dim)
         self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = self.backend.attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H * hd]
-        return F.linear(o, layer.o_proj)
+        return layer.o_proj(o)
 
     def _mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)  # [T, F] each
-        return F.linear(F.silu(gate) * up, layer.down)
+        gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [T, F] each
+        return layer.down(F.silu(gate) * up)

@@ -1,0 +1,92 @@
+"""Small-batch weight kernels: a 4-bit GGUF's own codes, and the per-row int8 lm_head."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forge_service.layers.linear import INT4_MAX_ROWS, INT8_MAX_ROWS, Int4Weight, Linear
+from forge_service.llm import LLM
+from forge_service.loaders import load_checkpoint
+from forge_service.engine.request import SamplingParams
+from tests.tiny_models import random_weights, tiny_arch, write_gguf
+
+ARCH = tiny_arch()
+WEIGHTS = random_weights(ARCH)
+K_ARCH = tiny_arch(hidden_size=256, intermediate_size=256)  # K-quant rows are multiples of 256
+K_WEIGHTS = random_weights(K_ARCH, seed=1)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_4bit_codes_reproduce_the_dequantised_weights_exactly(tmp_path: Path, qtype: str) -> None:
+    arch, weights = (K_ARCH, K_WEIGHTS) if qtype == "Q4_K" else (ARCH, WEIGHTS)
+    path = write_gguf(tmp_path / "m.gguf", arch, weights, qtype=qtype)
+    dense = load_checkpoint(path, torch.float32)
+    coded = load_checkpoint(path, torch.bfloat16)
+    assert dense.int4 == {}  # fp32 is the reference: no 4-bit path
+    names = {n for n in dense.weights if n.split(".")[-2] in PROJECTIONS}
+    assert set(coded.int4) == names and len(names) == 7 * arch.num_layers
+    for name in names:  # the Q/K row permutation is undone on codes, scales and zeros alike
+        assert torch.equal(coded.int4[name].dequantize(), dense.weights[name]), name
+
+
+def test_8bit_and_float_tensors_have_no_4bit_codes(tmp_path: Path) -> None:
+    for qtype in ("Q8_0", "F16"):
+        assert load_checkpoint(write_gguf(tmp_path / f"{qtype}.gguf", ARCH, WEIGHTS, qtype=qtype),
+                               torch.bfloat16).int4 == {}
+
+
+def _int4_weight(n: int, k: int) -> Int4Weight:
+    g = torch.Generator().manual_seed(n + k)
+    return Int4Weight(codes=torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+                      scale=torch.rand(n, k // 32, generator=g) * 0.01,
+                      zero=torch.randn(n, k // 32, generator=g) * 0.01)
+
+
+def test_small_batches_use_the_4bit_kernel_and_large_ones_the_dense_weight() -> None:
+    w4 = _int4_weight(96, 128)
+    exact = w4.dequantize()
+    linear = Linear(exact.bfloat16(), w4)
+    for rows in (1, 3, INT4_MAX_ROWS):
+        x = torch.randn(rows, 128).bfloat16()
+        got = linear(x).float()
+        want = x.float() @ exact.T
+        assert (got - want).abs().max() < 0.02 * want.abs().max()
+    big = torch.randn(INT4_MAX_ROWS + 1, 128).bfloat16()
+    assert torch.equal(linear(big), F.linear(big, linear.weight))
+
+
+def test_int4_weights_fuse_along_the_output_dimension() -> None:
+    parts = [_int4_weight(n, 64) for n in (32, 16, 16)]
+    fused = Int4Weight.cat(parts)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+def test_int8_rows_stay_close_to_the_dense_product_and_large_batches_are_exact() -> None:
+    w = (torch.randn(320, 64) * 0.05).bfloat16()
+    linear = Linear(w, int8_rows=True)
+    for rows in range(1, INT8_MAX_ROWS + 1):
+        x = torch.randn(rows, 64).bfloat16()
+        want = x.float() @ w.float().T
+        assert (linear(x).float() - want).abs().max() < 0.02 * want.abs().max()
+    big = torch.randn(INT8_MAX_ROWS + 1, 64).bfloat16()
+    assert torch.equal(linear(big), F.linear(big, w))
+
+
+def test_bf16_engine_on_a_q4_1_file_decodes_with_its_codes_and_tracks_fp32(tmp_path: Path) -> None:
+    path = str(write_gguf(tmp_path / "m.gguf", ARCH, WEIGHTS, qtype="Q4_1"))
+    fast = LLM(model=path, dtype="bfloat16")
+    assert all(layer.qkv.packed is not None and layer.down.packed is not None for layer in fast.engine.model.layers)
+    assert fast.engine.model.lm_head.int8 is not None
+    reference = LLM(model=path, dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompt = [[5, 17, 40, 99, 120, 7]]
+    a = fast.generate(prompt, params)[0].outputs[0]
+    b = reference.generate(prompt, params)[0].outputs[0]
+    # The same first choices, scored alike: the 4-bit path must not drift far from fp32.
+    assert a.token_ids[:3] == b.token_ids[:3]
+    diffs = [abs(x[0].logprob - y[0].logprob) for x, y in zip(a.logprobs[:3], b.logprobs[:3])]
+    assert max(diffs) < 0.05, diffs
