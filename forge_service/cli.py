@@ -13,7 +13,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                             top_p=args.top_p, top_k=args.top_k)
     try:
-        llm = LLM(model=args.model, dtype=args.dtype)
+        llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
         else:
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve)
     gen.add_argument("--model", default=None, help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     gen.set_defaults(func=_generate)
     serve.set_defaults(func=_serve)
     return parser

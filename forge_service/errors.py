@@ -32,6 +32,18 @@ class DeadlineExceeded(ForgeError):
     code = "DEADLINE_EXCEEDED"
 
 
+class DeviceUnavailable(ForgeError):
+    """The requested device cannot be used: no GPU, or its libraries (cuda-python, NVRTC) are missing."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class CudaError(ForgeError):
+    """A CUDA driver, NVRTC or kernel call failed; the message names the call and the error."""
+
+    code = "INTERNAL"
+
+
 class ModelLoadError(ForgeError):
     """A checkpoint could not be loaded: truncated, corrupt, or of an unsupported kind.
 

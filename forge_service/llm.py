@@ -19,9 +19,9 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", *, max_model_len: int | None = None,
                  block_size: int = 16, kv_cache_bytes: int = 1 << 30, num_blocks: int | None = None,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64, num_threads: int = 0,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, device: str = "cpu") -> None:
         self.engine = LLMEngine(EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len),
+            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, device=device),
             cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes, num_blocks=num_blocks,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,

@@ -1,16 +1,73 @@
 """The CPU backend (torch): the reference every other backend is tested against."""
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 import torch.nn.functional as F
 
 from forge_service.layers.attention import AttentionMetadata
+from forge_service.layers.linear import Linear
+from forge_service.layers.norm import rms_norm
+from forge_service.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class CpuBackend:
-    """Paged KV writes and attention over a flat batch mixing decodes and prefill chunks."""
+    """Paged KV writes and attention over a flat batch mixing decodes and prefill chunks, and the
+    model's other ops in plain torch: the reference for every other backend."""
 
     name = "cpu"
+    device = torch.device("cpu")
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # residual += delta in place (as `residual + delta` rounds), then its norm
+        return rms_norm(residual.add_(delta), weight, eps)
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, F] each
+        return F.silu(gate) * up
+
+    @staticmethod
+    def linear(x: torch.Tensor, layer: Linear) -> torch.Tensor:
+        return layer(x)  # the dense GEMM, or a small batch's 4-bit / int8 kernel
+
+    @staticmethod
+    def rotary_tables(rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        return rope.tables(positions, dtype)  # cos, sin: [T, 1, hd], shared by every layer of a step
+
+    @staticmethod
+    def rotary(qk: torch.Tensor, num_heads: int, tables: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        # qk: [T, H + Hkv, hd], the query heads then the key heads -> q [T, H, hd], k [T, Hkv, hd].
+        # Rotated together: one set of elementwise ops instead of two.
+        cos, sin = tables
+        q, k = apply_rotary(qk, cos, sin).split([num_heads, qk.shape[1] - num_heads], dim=1)
+        return q, k
+
+    @staticmethod
+    def prepare(meta: AttentionMetadata) -> AttentionMetadata:
+        return meta
+
+    @staticmethod
+    def sampler():
+        from forge_service.sampling import Sampler
+
+        return Sampler()
+
+    @staticmethod
+    def startup(forward: Callable, arch: Any, dtype: torch.dtype, block_size: int, max_batch: int,
+                max_len: int) -> None:
+        """Nothing to prepare on the CPU (the CUDA backend captures its decode graphs here)."""
+
+    @staticmethod
+    def run(forward: Callable, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            logit_rows: torch.Tensor) -> torch.Tensor:
+        return forward(input_ids, positions, meta, logit_rows)
 
     @staticmethod
     def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -86,4 +143,11 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     return o.squeeze(0).transpose(0, 1)  # [L, H, hd]
 
 
-BACKENDS = {"cpu": CpuBackend}
+def _cuda_backend() -> Any:
+    # Imported on demand: Forge imports without cuda-python or a GPU.
+    from forge_service.backends.cuda.backend import CudaBackend
+
+    return CudaBackend()
+
+
+BACKENDS: dict[str, Callable[[], Any]] = {"cpu": CpuBackend, "cuda": _cuda_backend}

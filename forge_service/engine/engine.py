@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from forge_service.backends.cpu import BACKENDS
+from forge_service.backends import create_backend
 from forge_service.config import EngineConfig
 from forge_service.engine.output_processor import CompletionProcessor, TokenTexts
 from forge_service.engine.output_types import RequestOutput
@@ -15,7 +15,7 @@ from forge_service.engine.request import Request, RequestStatus, SamplingParams
 from forge_service.engine.scheduler import Scheduler
 from forge_service.errors import InvalidArgument, QueueFull
 from forge_service.kv_cache.manager import KVCacheManager
-from forge_service.loaders import default_model_path, load_checkpoint
+from forge_service.loaders import Checkpoint, default_model_path, load_checkpoint
 from forge_service.models.registry import build_model
 from forge_service.runner.model_runner import ModelRunner
 from forge_service.structured import GrammarCompiler, MatcherSet
@@ -25,7 +25,7 @@ log = logging.getLogger("forge.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Measured on the CPU this project targets (see bench/throughput.py): bf16 matmuls are faster.
-AUTO_DTYPE = {"cpu": torch.bfloat16}
+AUTO_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.bfloat16}
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -61,20 +61,28 @@ class _Parent:
 class LLMEngine:
     """Synchronous and single-threaded: only one thread may call it."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
+        """`checkpoint` and `tokenizer` replace loading them from the model path (benchmarks
+        build random-weight models in memory)."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        path = config.model.model or default_model_path()
+        path = config.model.model or (checkpoint.path if checkpoint else default_model_path())
+        backend = create_backend(config.model.device)  # raises first if the device cannot be used
         self.dtype = resolve_dtype(config.model.dtype, config.model.device)
         started = time.perf_counter()
-        ckpt = load_checkpoint(path, self.dtype)
-        self.tokenizer = Tokenizer.from_path(path)
+        ckpt = checkpoint or load_checkpoint(path, self.dtype)
+        self.tokenizer = tokenizer or Tokenizer.from_path(path)
         self.arch = ckpt.arch
-        self.model = build_model(path, ckpt.arch, ckpt.weights, BACKENDS[config.model.device](), ckpt.int4)
+        weights = {name: w.to(backend.device) for name, w in ckpt.weights.items()}
+        # The 4-bit codes feed a CPU kernel; other devices multiply by the dequantised weights.
+        int4 = ckpt.int4 if backend.device.type == "cpu" else None
+        self.model = build_model(path, ckpt.arch, weights, backend, int4)
         self.max_model_len = min(config.model.max_model_len or ckpt.arch.max_position_embeddings,
                                  ckpt.arch.max_position_embeddings)
         self.runner = ModelRunner(self.model, ckpt.arch, config.cache, self.dtype)
+        self.runner.startup(config.scheduler.max_num_seqs, self.max_model_len)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.model_name = config.model.served_model_name or _name_from_path(path)

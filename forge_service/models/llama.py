@@ -4,12 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from forge_service.layers.attention import AttentionMetadata
 from forge_service.layers.linear import Int4Weight, Linear, int4_supported
-from forge_service.layers.norm import rms_norm
-from forge_service.layers.rotary import RotaryEmbedding, apply_rotary
+from forge_service.layers.rotary import RotaryEmbedding
 from forge_service.models.arch import ArchConfig
 
 
@@ -35,8 +33,9 @@ class LlamaModel:
         self.backend = backend
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.embed = weights["model.embed_tokens.weight"]  # [V, D]
-        # [V, D]. In bf16 a decode step reads it as int8: its leading logits are refined anyway.
-        self.lm_head = Linear(weights.get("lm_head.weight", self.embed), int8_rows=self.dtype == torch.bfloat16)
+        # [V, D]. In bf16 on the CPU a decode step reads it as int8: its leading logits are refined anyway.
+        int8 = self.dtype == torch.bfloat16 and self.embed.device.type == "cpu"
+        self.lm_head = Linear(weights.get("lm_head.weight", self.embed), int8_rows=int8)
         self.norm = weights["model.norm.weight"]
         self.layers = [self._layer(weights, int4 or {}, i) for i in range(arch.num_layers)]
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
@@ -71,13 +70,15 @@ class LlamaModel:
         # The residual stream stays fp32 whatever the compute dtype: in bf16 this keeps greedy
         # outputs much closer to fp32 at the cost of two casts per layer.
         x = self.embed[input_ids].float()  # [T, D]
-        cos, sin = self.rotary.tables(positions, self.dtype)
+        rope = self.backend.rotary_tables(self.rotary, positions, self.dtype)
+        delta = None  # the last sublayer's output, added to x by the next norm (fused on GPU)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.arch.rms_norm_eps),
-                                    cos, sin, k_cache, v_cache, meta)
-            x = x + self._mlp(layer, rms_norm(x, layer.post_norm, self.arch.rms_norm_eps))
-        h = rms_norm(x[logits_indices], self.norm.float(), self.arch.rms_norm_eps)  # [N, D] fp32
-        logits = self.lm_head(h.to(self.dtype)).float()  # [N, V]
+            h = self._add_norm(x, delta, layer.input_norm)
+            delta = self._attention(layer, h, rope, k_cache, v_cache, meta)
+            delta = self._mlp(layer, self._add_norm(x, delta, layer.post_norm))
+        rows = x[logits_indices] if delta is None else x[logits_indices] + delta[logits_indices]
+        h = self.backend.rms_norm(rows, self.norm.float(), self.arch.rms_norm_eps)  # [N, D] fp32
+        logits = self.backend.linear(h.to(self.dtype), self.lm_head).float()  # [N, V]
         if self.dtype != torch.float32:
             self._refine_leaders(h, logits)
         return logits
@@ -89,19 +90,24 @@ class LlamaModel:
         exact = torch.einsum("nd,nkd->nk", h, self.lm_head.weight[top].float())
         logits.scatter_(1, top, exact)
 
-    def _attention(self, layer: LlamaLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        # x (fp32 residual stream) += delta in place, then RMSNorm -> [T, D] in weight's dtype
+        if delta is None:
+            return self.backend.rms_norm(x, weight, self.arch.rms_norm_eps)
+        return self.backend.add_rms_norm(x, delta, weight, self.arch.rms_norm_eps)
+
+    def _attention(self, layer: LlamaLayer, h: torch.Tensor, rope, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
         a = self.arch
         t = h.shape[0]
-        qk, v = layer.qkv(h).split([(a.num_heads + a.num_kv_heads) * a.head_dim, a.num_kv_heads * a.head_dim], dim=-1)
-        # Q and K heads rotate together: one set of elementwise ops instead of two.
-        qk = apply_rotary(qk.view(t, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
-        q, k = qk.split([a.num_heads, a.num_kv_heads], dim=1)  # [T, H, hd], [T, Hkv, hd]
+        qk, v = self.backend.linear(h, layer.qkv).split(
+            [(a.num_heads + a.num_kv_heads) * a.head_dim, a.num_kv_heads * a.head_dim], dim=-1)
+        q, k = self.backend.rotary(qk.view(t, a.num_heads + a.num_kv_heads, a.head_dim), a.num_heads,
+                                   rope)  # [T, H, hd], [T, Hkv, hd]
         v = v.view(t, a.num_kv_heads, a.head_dim)
         self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = self.backend.attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H * hd]
-        return layer.o_proj(o)
+        return self.backend.linear(o, layer.o_proj)
 
     def _mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
-        gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [T, F] each
-        return layer.down(F.silu(gate) * up)
+        return self.backend.linear(self.backend.silu_and_mul(self.backend.linear(h, layer.gate_up)), layer.down)

@@ -35,17 +35,29 @@ class ModelRunner:
     def __init__(self, model, arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype) -> None:
         self.model = model
         self.arch = arch
+        self.dtype = dtype
+        self.backend = model.backend
+        self.device = self.backend.device
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks or max(1, cache.kv_cache_bytes // kv_block_bytes(arch, cache.block_size, dtype))
         slots = self.num_blocks * self.block_size
         self.kv_caches = [
-            (torch.zeros(slots, arch.num_kv_heads, arch.head_dim, dtype=dtype),
-             torch.zeros(slots, arch.num_kv_heads, arch.head_dim, dtype=dtype))
+            (torch.zeros(slots, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=self.device),
+             torch.zeros(slots, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=self.device))
             for _ in range(arch.num_layers)
         ]
-        self.sampler = Sampler()
+        self.sampler: Sampler = self.backend.sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.grammars: MatcherSet | None = None  # structured output's matchers; set by the engine
+
+    def startup(self, max_batch: int, max_len: int) -> None:
+        """Backend preparation once the KV cache exists (the CUDA backend captures decode graphs
+        for up to max_batch rows and contexts of max_len)."""
+        self.backend.startup(self.forward, self.arch, self.dtype, self.block_size, max_batch, max_len)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, logit_rows: torch.Tensor) -> torch.Tensor:
+        """The model over this runner's KV cache: logits [N, V] float32 of `logit_rows`."""
+        return self.model.forward(input_ids, positions, self.kv_caches, meta, logit_rows)
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -63,11 +75,13 @@ class ModelRunner:
         if decodes:
             meta.decode_block_tables, meta.decode_mask = self._decode_tables(decodes, tables[:len(decodes)])
         meta.prefills = self._prefill_seqs(prefills, len(decodes))
+        meta = self.backend.prepare(meta)  # the backend's form, on its device, once per step
+        input_ids, positions = input_ids.to(self.device), positions.to(self.device)
         sampling = [c for c in ordered if c.samples]
+        rows = torch.tensor(logit_rows or [0], device=self.device)
+        logits = self.backend.run(self.forward, input_ids, positions, meta, rows)
         if not sampling:
-            self.model.forward(input_ids, positions, self.kv_caches, meta, torch.tensor([0]))
             return []
-        logits = self.model.forward(input_ids, positions, self.kv_caches, meta, torch.tensor(logit_rows))
         sampled = self._sample(logits, sampling)
         by_id = {s.request_id: s for s in sampled}
         return [by_id[c.request.request_id] for c in out.chunks if c.samples]
@@ -129,7 +143,8 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[SampledToken]:
         rows = [RowSampling(params=c.request.sampling_params, prompt_token_ids=c.request.prompt_token_ids,
-                            output_token_ids=c.request.output_token_ids, generator=self._generator(c))
+                            output_token_ids=c.request.output_token_ids, generator=self._generator(c),
+                            seed=c.request.seed)
                 for c in chunks]
         meta = SamplingMetadata.build(rows, logits.shape[-1], logits.device)
         request_ids = [c.request.request_id for c in chunks]

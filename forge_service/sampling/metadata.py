@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
@@ -19,6 +19,8 @@ class RowSampling:
     output_token_ids: list[int]
     # Set for seeded requests; owned by the runner, its state carries over between steps.
     generator: torch.Generator | None = None
+    # The request's seed, for samplers with counter-based noise keyed by (seed, step).
+    seed: int | None = None
 
 
 @dataclass
@@ -56,6 +58,10 @@ class SamplingMetadata:
     # Allowed tokens, set by structured output after build: packed int32 [N, ceil(V / 32)]
     # (bit j of word w allows token 32w + j; forge_service/structured/bitmask.py) or bool [N, V].
     token_bitmask: torch.Tensor | None = None
+    # Per row: the seed (None when unseeded) and the number of tokens generated so far, for
+    # samplers keyed by (seed, step) instead of generator state (the CUDA sampler).
+    seeds: list[int | None] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
 
     @classmethod
     def build(cls, rows: list[RowSampling], vocab_size: int,
@@ -83,6 +89,8 @@ class SamplingMetadata:
                         if r.generator is not None and not r.params.greedy},
             shared_noise=any(r.generator is None and not r.params.greedy for r in rows),
             max_num_logprobs=max(asked) if asked else None,
+            seeds=[r.seed for r in rows],
+            steps=[len(r.output_token_ids) for r in rows],
         )
 
 

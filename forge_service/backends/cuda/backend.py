@@ -1,0 +1,122 @@
+"""CudaBackend: the CPU backend's interface, on NVRTC kernels, autotuned GEMMs and CUDA graphs."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from forge_service.backends.cpu import CpuBackend
+from forge_service.backends.cuda import activation, cache, decode_attention, norm, prefill_attention, rotary
+from forge_service.backends.cuda.driver import INSTALL_HINT, bindings
+from forge_service.backends.cuda.gemm import GemmTuner
+from forge_service.backends.cuda.graphs import DecodeGraphs, capture_sizes
+from forge_service.backends.cuda.launch import Kernels
+from forge_service.backends.cuda.metadata import CudaAttentionMetadata, ModelShape, prepare
+from forge_service.backends.cuda.sampler import CudaSampler
+from forge_service.errors import DeviceUnavailable
+from forge_service.layers.attention import AttentionMetadata
+from forge_service.layers.linear import Linear
+from forge_service.layers.rotary import RotaryEmbedding
+
+log = logging.getLogger("forge.cuda")
+
+RopeTables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # positions [T], cos [P, hd], sin [P, hd]
+
+
+class CudaBackend:
+    """Ops of one model on one GPU. Kernels compile on first use (cached on disk); `startup`
+    captures the decode graphs once the model and its KV cache exist."""
+
+    name = "cuda"
+
+    def __init__(self, device: int | None = None) -> None:
+        bindings()  # raises DeviceUnavailable without cuda-python
+        if not torch.cuda.is_available():
+            build = f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none (a CPU-only build)'}"
+            raise DeviceUnavailable(f"--device cuda: no CUDA GPU is visible to torch ({build}); "
+                                    f"it needs a GPU, a CUDA build of torch and {INSTALL_HINT}")
+        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        torch.cuda.set_device(self.device)
+        self.kernels = Kernels(self.device)
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.gemm = GemmTuner(self.device)
+        self.graphs: DecodeGraphs | None = None
+        self.shape: ModelShape | None = None  # set by startup()
+        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ---- the CPU backend's interface ----
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        cache.write_kv(self.kernels, k_cache, v_cache, k, v, slot_mapping)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, meta: CudaAttentionMetadata, scale: float) -> torch.Tensor:
+        # q: [T, H, hd] (this step's K/V are already in the cache) -> [T, H * hd]
+        t, h, hd = q.shape
+        out = torch.empty(t, h * hd, dtype=q.dtype, device=q.device)
+        d = meta.num_decode_tokens
+        if d:
+            decode_attention.paged_decode(self.kernels, out[:d], q[:d], k_cache, v_cache, meta.decode_tables,
+                                          meta.decode_lens, meta.block_size, meta.num_splits, scale)
+        if meta.prefill is not None:
+            prefill_attention.paged_prefill(self.kernels, out, q, k_cache, v_cache, meta.prefill, meta.block_size,
+                                            scale)
+        if meta.torch_prefills:
+            cpu_meta = AttentionMetadata(meta.slot_mapping, meta.block_size, 0, prefills=meta.torch_prefills)
+            ref = CpuBackend.attention(q, k, v, k_cache, v_cache, cpu_meta, scale)
+            out[d:] = ref[d:]
+        return out
+
+    # ---- model ops (the CPU backend has the same, in torch) ----
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return norm.rms_norm(self.kernels, x, weight, eps)
+
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        return norm.add_rms_norm(self.kernels, residual, delta, weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return activation.silu_and_mul(self.kernels, gate_up)
+
+    def linear(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+        return self.gemm(x, layer.weight)
+
+    def rotary_tables(self, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        if id(rope) not in self._rope:  # the float32 tables, copied to the GPU once
+            self._rope[id(rope)] = (rope.cos.to(self.device).contiguous(), rope.sin.to(self.device).contiguous())
+        return (positions, *self._rope[id(rope)])
+
+    def rotary(self, qk: torch.Tensor, num_heads: int, tables: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+        # qk: [T, H + Hkv, hd] -> q [T, H, hd], k [T, Hkv, hd], rotated in place
+        q, k = qk.split([num_heads, qk.shape[1] - num_heads], dim=1)
+        rotary.rotary_(self.kernels, q, k, *tables)
+        return q, k
+
+    # ---- per step and at start-up ----
+    def prepare(self, meta: AttentionMetadata) -> CudaAttentionMetadata:
+        assert self.shape is not None, "startup() sets the model's shape first"
+        return prepare(meta, self.shape, self.device)
+
+    def sampler(self) -> CudaSampler:
+        return CudaSampler(self.kernels)
+
+    def startup(self, forward, arch, dtype: torch.dtype, block_size: int, max_batch: int, max_len: int) -> None:
+        """Record the model's shape, then capture decode graphs for `forward(ids, positions, meta,
+        logit_rows)`, the model bound to its KV cache (max_batch 0: no graphs)."""
+        decode_attention.check_shape(dtype, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        self.shape = ModelShape(arch.num_kv_heads, arch.num_heads // arch.num_kv_heads, dtype, self.num_sms)
+        if max_batch <= 0:
+            return
+        self.graphs = DecodeGraphs(forward, self.device, block_size, max_batch, max_len, arch.num_kv_heads,
+                                   self.num_sms)
+        with torch.inference_mode():
+            self.graphs.capture(capture_sizes(max_batch))
+
+    def run(self, forward, input_ids: torch.Tensor, positions: torch.Tensor, meta: CudaAttentionMetadata,
+            logit_rows: torch.Tensor) -> torch.Tensor:
+        """The step's logits: replayed from a graph for a decode-only step, else run eagerly."""
+        if self.graphs is not None and logit_rows.shape[0] == meta.num_decode_tokens:
+            logits = self.graphs.run(input_ids, positions, meta)
+            if logits is not None:
+                return logits
+        return forward(input_ids, positions, meta, logit_rows)
