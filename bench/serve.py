@@ -4,7 +4,9 @@ For each concurrency level (default 1, 8, 16), `concurrency` clients send stream
 back to back until --num-requests are done; the run is repeated --repeats times. Reported:
 TTFT and inter-token latency (ITL: gaps between content chunks) p50/p99 over all requests of
 all repeats, TPOT p50 ((latency - TTFT) / (tokens - 1)), output tokens/s (median over repeats),
-and errors. Prints a table, writes JSON, and records the machine the client ran on.
+and errors. Prints a table, writes JSON, and records the machine the client ran on. Each prompt
+starts with its own request number, so prefix caching cannot skip its prefill (--same-prompt
+sends one prompt to all).
 
     python bench/serve.py --url http://127.0.0.1:8000 --max-tokens 64 --concurrency 1,8,16
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -19,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -43,13 +46,21 @@ class Sample:
     error: str = ""
 
 
-def request_body(args: argparse.Namespace, model: str) -> tuple[str, dict[str, Any]]:
-    prompt = (BASE_PROMPT * (args.prompt_words // len(BASE_PROMPT.split()) + 1)).split()[: args.prompt_words]
+def request_bodies(args: argparse.Namespace, model: str) -> tuple[str, Callable[[], dict[str, Any]]]:
+    """The endpoint, and a function giving each request's body. Unless --same-prompt, every
+    prompt starts with its own request number, so no request reuses another's KV cache."""
+    words = (BASE_PROMPT * (args.prompt_words // len(BASE_PROMPT.split()) + 1)).split()[: args.prompt_words]
     common = {"model": model, "max_tokens": args.max_tokens, "stream": True, "temperature": 0.0,
               "ignore_eos": True, "stream_options": {"include_usage": True}}
-    if args.endpoint == "chat":
-        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": " ".join(prompt)}]}
-    return "/v1/completions", {**common, "prompt": " ".join(prompt)}
+    numbers = itertools.count()
+
+    def body() -> dict[str, Any]:
+        prompt = " ".join(words) if args.same_prompt else f"Request {next(numbers)}. " + " ".join(words[3:])
+        if args.endpoint == "chat":
+            return {**common, "messages": [{"role": "user", "content": prompt}]}
+        return {**common, "prompt": prompt}
+
+    return ("/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"), body
 
 
 def _content(event: dict[str, Any]) -> str:
@@ -91,14 +102,14 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]
     return sample
 
 
-async def one_run(client: httpx.AsyncClient, path: str, body: dict[str, Any], concurrency: int,
+async def one_run(client: httpx.AsyncClient, path: str, body: Callable[[], dict[str, Any]], concurrency: int,
                   num_requests: int) -> tuple[list[Sample], float]:
     remaining = iter(range(num_requests))
     samples: list[Sample] = []
 
     async def worker() -> None:
         for _ in remaining:
-            samples.append(await one_request(client, path, body))
+            samples.append(await one_request(client, path, body()))
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -160,16 +171,17 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
     async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout_s, limits=limits) as client:
         model = args.model or await discover_model(client)
-        path, body = request_body(args, model)
+        path, body = request_bodies(args, model)
         for _ in range(args.warmup):
-            await one_request(client, path, body)
+            await one_request(client, path, body())
         rows = []
         for concurrency in args.concurrency:
             num_requests = args.num_requests or max(4 * concurrency, 8)
             runs = [await one_run(client, path, body, concurrency, num_requests) for _ in range(args.repeats)]
             rows.append(summarize(concurrency, runs))
     return {"benchmark": "serve", "url": args.url, "endpoint": path, "model": model,
-            "max_tokens": args.max_tokens, "prompt_words": args.prompt_words, "repeats": args.repeats,
+            "max_tokens": args.max_tokens, "prompt_words": args.prompt_words, "same_prompt": args.same_prompt,
+            "repeats": args.repeats,
             "client_machine": machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": rows}
 
 
@@ -185,6 +197,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=128)
+    parser.add_argument("--same-prompt", action="store_true",
+                        help="send one prompt to every request (prefix caching then skips most prefill)")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/serve-<time>.json)")
     return parser.parse_args(argv)
