@@ -8,17 +8,18 @@ from forge_service.tokenizer import IncrementalDetokenizer, StopStringMatcher, T
 
 
 class TokenTexts:
-    """Decoded text of single tokens (for logprobs), cached per id."""
+    """Decoded text and exact bytes of single tokens (for logprobs), cached per id."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
+        self.cache: dict[int, tuple[str, bytes]] = {}
 
-    def __call__(self, token_id: int) -> str:
-        text = self.cache.get(token_id)
-        if text is None:
-            text = self.cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        entry = self.cache.get(token_id)
+        if entry is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            entry = self.cache[token_id] = (text, self.tokenizer.token_bytes(token_id))
+        return entry
 
 
 class CompletionProcessor:
@@ -58,6 +59,6 @@ class CompletionProcessor:
         return text + self.stops.flush()
 
     def _logprobs(self, s: SampledToken) -> list[Logprob]:
-        chosen = Logprob(s.token_id, s.logprob, s.rank, self.token_texts(s.token_id))
-        top = [Logprob(t, lp, r + 1, self.token_texts(t)) for r, (t, lp) in enumerate(s.top or [])]
+        chosen = Logprob(s.token_id, s.logprob, s.rank, *self.token_texts(s.token_id))
+        top = [Logprob(t, lp, r + 1, *self.token_texts(t)) for r, (t, lp) in enumerate(s.top or [])]
         return [chosen, *top]

@@ -10,6 +10,7 @@ class Logprob:
     logprob: float
     rank: int | None
     token: str  # the token's text on its own
+    bytes: bytes | None = None  # its exact bytes (part of a character when `token` shows U+FFFD)
 
 
 @dataclass

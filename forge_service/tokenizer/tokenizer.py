@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
-from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import Tokenizer as BackendTokenizer, decoders
 
 from forge_service.errors import InvalidArgument, ModelLoadError
 from forge_service.tokenizer.chat_template import ChatTemplate
-from forge_service.tokenizer.gguf_vocab import add_bos, bos_eos_processor, build_backend, special_token_texts, \
-    read_gguf_vocab
+from forge_service.tokenizer.gguf_vocab import BYTE_ALPHABET, add_bos, bos_eos_processor, build_backend, \
+    read_gguf_vocab, special_token_texts
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
+_BYTE_VALUES = {char: byte for byte, char in BYTE_ALPHABET.items()}
 
 
 class Tokenizer:
@@ -39,6 +42,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self._template = ChatTemplate(chat_template, self.special_tokens) if chat_template else None
         self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self._added_ids = frozenset(backend.get_added_tokens_decoder())
 
     # --- construction ------------------------------------------------------------------------------
 
@@ -93,6 +97,21 @@ class Tokenizer:
 
     def is_special(self, i: int) -> bool:
         return i in self._special_ids
+
+    def token_bytes(self, i: int) -> bytes:
+        """The exact bytes token `i` stands for, which may be part of a UTF-8 character (its
+        decoded text would then be U+FFFD)."""
+        token = self.backend.id_to_token(i)
+        if token is None:
+            return b""
+        if i in self._added_ids:
+            return token.encode()
+        if isinstance(self.backend.decoder, decoders.ByteLevel):
+            return bytes(_BYTE_VALUES.get(c, 0x3F) for c in token)
+        byte = _BYTE_TOKEN.fullmatch(token)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        return token.replace("\u2581", " ").encode()
 
     # --- chat --------------------------------------------------------------------------------------
 

@@ -308,6 +308,18 @@ def test_detokenizer_never_splits_characters(request, name, step):
     assert detok.flush() == ""
 
 
+@pytest.mark.parametrize("name", ["bpe", "spm"])
+def test_token_bytes_join_to_the_text_even_inside_characters(request, name):
+    tok, _ = request.getfixturevalue(name)
+    ids = tok.encode(STREAM_TEXT, add_special_tokens=False)
+    parts = [tok.token_bytes(i) for i in ids]
+    assert any(len(p) == 1 and p[0] >= 0x80 for p in parts)  # some tokens hold part of a character
+    joined = b"".join(parts)
+    # SentencePiece writes the leading space it adds as a byte of the first piece.
+    assert joined == (b" " if name == "spm" else b"") + STREAM_TEXT.encode()
+    assert tok.token_bytes(2) == tok.id_to_token(2).encode()  # a special token: its own text
+
+
 def test_detokenizer_holds_partial_character_until_complete(bpe):
     tok, _ = bpe
     ids = tok.encode("a中", add_special_tokens=False)

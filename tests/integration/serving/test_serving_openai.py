@@ -188,8 +188,8 @@ def test_chat_logprobs_match_the_offline_api(idle_server, openai_client, model_n
         assert values == sorted(values, reverse=True)
         assert position.top_logprobs[0].token == position.token  # greedy: the chosen one is the likeliest
         assert values == pytest.approx([t.logprob for t in top], abs=1e-3)
-        if position.token.isascii():
-            assert bytes(position.bytes) == position.token.encode()
+        assert bytes(position.bytes) == chosen.bytes  # the engine's exact bytes, not the text re-encoded
+    assert b"".join(bytes(p.bytes) for p in content) == choice.message.content.encode()
 
 
 def test_completion_logprobs_match_the_offline_api(idle_server, openai_client, model_name, llm_fp32) -> None:
