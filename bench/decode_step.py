@@ -1,0 +1,59 @@
+"""Engine step time without servers: median decode step (ms) at several batch sizes.
+
+Each batch size gets its own requests (distinct 20-token prompts, ignore_eos); steps that carry
+a prefill chunk are left out, so the figure is the decode step alone.
+
+    python bench/decode_step.py --batch 1,16 --dtype bfloat16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import machine  # noqa: E402
+from forge_service.engine.request import SamplingParams  # noqa: E402
+from forge_service.llm import LLM  # noqa: E402
+
+
+def decode_steps_ms(llm: LLM, batch: int, steps: int, tag: str) -> list[float]:
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"{tag}-{i}", [1000 + 37 * i + j for j in range(20)], params)
+    times = []
+    while engine.has_unfinished_requests():
+        prefilling = any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
+            or engine.scheduler.num_waiting > 0
+        start = time.perf_counter()
+        engine.step()
+        if not prefilling:
+            times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
+    parser.add_argument("--steps", type=int, default=64)
+    args = parser.parse_args(argv)
+    llm = LLM(model=args.model, dtype=args.dtype)
+    decode_steps_ms(llm, 1, 4, "warmup")
+    rows = []
+    for batch in args.batch:
+        ms = statistics.median(decode_steps_ms(llm, batch, args.steps, f"b{batch}"))
+        rows.append({"batch": batch, "step_ms_p50": round(ms, 2), "tok_s": round(batch * 1000 / ms, 1)})
+        print(f"batch {batch:>3}: decode step p50 {ms:7.2f} ms  {batch * 1000 / ms:7.1f} tok/s")
+    print(json.dumps({"benchmark": "decode_step", "dtype": str(llm.engine.dtype), "machine": machine(),
+                      "results": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
