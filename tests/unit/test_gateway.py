@@ -57,13 +57,27 @@ class FakeForge(pb_grpc.ForgeServicer):
         prompt = prompt_of(request)
         if prompt in ERRORS:
             context.abort(*ERRORS[prompt])
+        if prompt == "slow":
+            self._record_cancellation(request, context)
         return prompt
 
-    def _wait_for_cancel(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> None:
+    def _record_cancellation(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> None:
+        """Put the request id in `cancelled` when the call ends before `_wait_for_cancel` gives up.
+
+        A termination callback, not a check after the wait: a server that sees a stream cancelled while
+        it sends a message stops iterating the handler, so code after the handler's `yield` may never run."""
+        def ended() -> None:
+            if not context.gave_up:  # type: ignore[attr-defined]
+                self.cancelled.append(request.request_id)
+
+        context.gave_up = False  # type: ignore[attr-defined]
+        context.add_callback(ended)
+
+    def _wait_for_cancel(self, context: grpc.ServicerContext) -> None:
         deadline = time.monotonic() + 10
         while context.is_active() and time.monotonic() < deadline:
             time.sleep(0.01)
-        self.cancelled.append(request.request_id)
+        context.gave_up = context.is_active()  # type: ignore[attr-defined]
 
     def _positions(self, request: pb.GenerateRequest, piece: str) -> list[pb.PositionLogprobs]:
         if not request.logprobs:
@@ -82,7 +96,7 @@ class FakeForge(pb_grpc.ForgeServicer):
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
         prompt = self._admit(request, context)
         if prompt == "slow":
-            self._wait_for_cancel(request, context)
+            self._wait_for_cancel(context)
             return pb.GenerateResponse()
         response = pb.GenerateResponse(request_id=request.request_id, model="fake-model")
         for i in range(request.n or 1):
@@ -104,7 +118,7 @@ class FakeForge(pb_grpc.ForgeServicer):
                                        logprobs=self._positions(request, piece))
                 yield pb.StreamResponse(request_id=request.request_id, chunk=chunk)
                 if prompt == "slow":
-                    self._wait_for_cancel(request, context)
+                    self._wait_for_cancel(context)
                     return
                 if prompt == "midstream-fail":
                     context.abort(S.INTERNAL, "internal engine error [error id def456]")
