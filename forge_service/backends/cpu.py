@@ -1,15 +1,17 @@
 """The CPU backend (torch): the reference every other backend is tested against."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from forge_service.layers.attention import AttentionMetadata
-from forge_service.layers.linear import Linear
 from forge_service.layers.norm import rms_norm
 from forge_service.layers.rotary import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:  # layers.linear imports this package for its native kernels
+    from forge_service.layers.linear import Linear
 
 
 class CpuBackend:

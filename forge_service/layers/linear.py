@@ -3,6 +3,10 @@
 A decode step multiplies a few rows by every weight once, so it is bound by the bytes it reads:
 with the checkpoint's own 4-bit codes it reads a quarter of what a bf16 copy costs. Large batches
 (prefill chunks) are bound by arithmetic instead and use the dense GEMM.
+
+Small batches run on the CPU backend's native kernels (backends/cpu_kernels.py: int8 activations
+times 4-bit or int8 weights, AVX-512 VNNI) where this machine can build and run them, and on
+torch's 4-bit and int8 kernels otherwise.
 """
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from forge_service.backends import cpu_kernels
+
 INT4_GROUP = 32  # inputs per scale and zero
 # Up to this many rows the 4-bit kernel beats the bf16 GEMM on CPU (measured on the default
 # model's shapes with weights out of cache: 5x at 1 row, 1.3x at 16, 1.1x at 24, slower from 32).
@@ -18,6 +24,10 @@ INT4_GROUP = 32  # inputs per scale and zero
 INT4_MAX_ROWS = 24
 # Likewise for the per-row int8 kernel (2x at 1 row on the 49k x 576 lm_head, slower from 16).
 INT8_MAX_ROWS = 4
+# The native kernels against the bf16 GEMM on the default model's shapes: 5x at 1 row on gate_up
+# (2x torch's 4-bit kernel), even at 16 to 24 rows, slower from 32; 3x torch's int8 kernel on
+# the lm_head at 1 row.
+NATIVE_MAX_ROWS = 24
 
 
 @dataclass
@@ -44,22 +54,28 @@ class Int4Weight:
 
 class Linear:
     """y = x @ W.T. Small batches use the checkpoint's 4-bit codes when it has them, or with
-    `int8_rows` an int8 copy quantised per output row; everything else the dense weight."""
+    `int8_rows` an int8 copy of the weight; everything else the dense weight."""
 
     def __init__(self, weight: torch.Tensor, int4: Int4Weight | None = None, int8_rows: bool = False) -> None:
         self.weight = weight  # [N, K] in the compute dtype
-        self.packed: torch.Tensor | None = None
+        self.native: cpu_kernels.QuantWeight | None = None  # the native kernels' form
+        self.packed: torch.Tensor | None = None  # torch's 4-bit form, without native kernels
         self.scale_zeros: torch.Tensor | None = None
-        self.int8: torch.Tensor | None = None
+        self.int8: torch.Tensor | None = None  # torch's int8 form, without native kernels
         self.int8_scale: torch.Tensor | None = None
-        if int4 is not None:
+        if (int4 is not None or int8_rows) and cpu_kernels.supports(weight.shape):
+            self.native = (cpu_kernels.pack_q4(int4.codes, int4.scale, int4.zero) if int4 is not None
+                           else cpu_kernels.pack_q8(weight))
+        elif int4 is not None:
             self.packed, self.scale_zeros = _pack(int4, weight.dtype)
-        if int8_rows:
+        elif int8_rows:
             self.int8, self.int8_scale = _quantize_rows(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] -> [T, N]
         rows = x.shape[0]
+        if self.native is not None and rows <= NATIVE_MAX_ROWS:
+            return cpu_kernels.linear(x, self.native)
         if self.packed is not None and rows <= INT4_MAX_ROWS:
             return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP, self.scale_zeros)
         if self.int8 is not None and rows <= INT8_MAX_ROWS:

@@ -1,4 +1,5 @@
-"""Small-batch weight kernels: a 4-bit GGUF's own codes, and the per-row int8 lm_head."""
+"""Small-batch weight kernels: a 4-bit GGUF's own codes, and the int8 lm_head, on the native
+kernels and on torch's (where the native ones cannot run)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from forge_service.layers.linear import INT4_MAX_ROWS, INT8_MAX_ROWS, Int4Weight, Linear
+from forge_service.backends import cpu_kernels
+from forge_service.layers.linear import INT4_MAX_ROWS, INT8_MAX_ROWS, NATIVE_MAX_ROWS, Int4Weight, Linear
 from forge_service.llm import LLM
 from forge_service.loaders import load_checkpoint
 from forge_service.engine.request import SamplingParams
@@ -46,16 +48,37 @@ def _int4_weight(n: int, k: int) -> Int4Weight:
                       zero=torch.randn(n, k // 32, generator=g) * 0.01)
 
 
-def test_small_batches_use_the_4bit_kernel_and_large_ones_the_dense_weight() -> None:
+@pytest.fixture(params=["native", "torch"])
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which small-batch kernels Linear builds: the native ones (skipped where they cannot run
+    here) or torch's, which every machine has."""
+    if request.param == "native" and cpu_kernels.library() is None:
+        pytest.skip("the native CPU kernels cannot run on this machine")
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernels, "supports", lambda shape: False)
+    return request.param
+
+
+def _kernel_rows(linear: Linear, kernels: str, torch_rows: int) -> int:
+    if kernels == "native":
+        assert linear.native is not None and linear.packed is None and linear.int8 is None
+        return NATIVE_MAX_ROWS
+    assert linear.native is None
+    return torch_rows
+
+
+def test_small_batches_use_the_4bit_kernel_and_large_ones_the_dense_weight(kernels: str) -> None:
     w4 = _int4_weight(96, 128)
     exact = w4.dequantize()
     linear = Linear(exact.bfloat16(), w4)
-    for rows in (1, 3, INT4_MAX_ROWS):
+    max_rows = _kernel_rows(linear, kernels, INT4_MAX_ROWS)
+    assert (linear.packed is not None) == (kernels == "torch")
+    for rows in (1, 3, 5, max_rows):
         x = torch.randn(rows, 128).bfloat16()
         got = linear(x).float()
         want = x.float() @ exact.T
         assert (got - want).abs().max() < 0.02 * want.abs().max()
-    big = torch.randn(INT4_MAX_ROWS + 1, 128).bfloat16()
+    big = torch.randn(max_rows + 1, 128).bfloat16()
     assert torch.equal(linear(big), F.linear(big, linear.weight))
 
 
@@ -65,22 +88,28 @@ def test_int4_weights_fuse_along_the_output_dimension() -> None:
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
 
 
-def test_int8_rows_stay_close_to_the_dense_product_and_large_batches_are_exact() -> None:
+def test_int8_rows_stay_close_to_the_dense_product_and_large_batches_are_exact(kernels: str) -> None:
     w = (torch.randn(320, 64) * 0.05).bfloat16()
     linear = Linear(w, int8_rows=True)
-    for rows in range(1, INT8_MAX_ROWS + 1):
+    max_rows = _kernel_rows(linear, kernels, INT8_MAX_ROWS)
+    assert (linear.int8 is not None) == (kernels == "torch")
+    for rows in (*range(1, INT8_MAX_ROWS + 1), max_rows):
         x = torch.randn(rows, 64).bfloat16()
         want = x.float() @ w.float().T
         assert (linear(x).float() - want).abs().max() < 0.02 * want.abs().max()
-    big = torch.randn(INT8_MAX_ROWS + 1, 64).bfloat16()
+    big = torch.randn(max_rows + 1, 64).bfloat16()
     assert torch.equal(linear(big), F.linear(big, w))
 
 
-def test_bf16_engine_on_a_q4_1_file_decodes_with_its_codes_and_tracks_fp32(tmp_path: Path) -> None:
+def test_bf16_engine_on_a_q4_1_file_decodes_with_its_codes_and_tracks_fp32(tmp_path: Path, kernels: str) -> None:
     path = str(write_gguf(tmp_path / "m.gguf", ARCH, WEIGHTS, qtype="Q4_1"))
     fast = LLM(model=path, dtype="bfloat16")
-    assert all(layer.qkv.packed is not None and layer.down.packed is not None for layer in fast.engine.model.layers)
-    assert fast.engine.model.lm_head.int8 is not None
+    model = fast.engine.model
+    small = [model.lm_head] + [linear for layer in model.layers for linear in (layer.qkv, layer.down)]
+    if kernels == "native":
+        assert all(linear.native is not None for linear in small)
+    else:
+        assert all(linear.packed is not None for linear in small[1:]) and model.lm_head.int8 is not None
     reference = LLM(model=path, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     prompt = [[5, 17, 40, 99, 120, 7]]

@@ -1,0 +1,154 @@
+"""The CPU backend's native kernels (native/cpu/), built with the system C compiler at first use.
+
+They multiply a few activation rows by group-quantised weights: 4-bit codes with a scale and an
+offset per group of 32 inputs, or int8 codes with a scale, against activations quantised to int8
+per group (AVX-512 VNNI). Decode steps are bound by reading weights; these kernels read them at
+close to memory speed where torch's 4-bit kernel dequantises each weight to float first.
+
+Where they cannot run (no C compiler, a CPU without AVX-512 VNNI, FORGE_CPU_KERNELS=torch), the
+callers keep torch's kernels: `library()` returns None.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parents[2] / "native" / "cpu" / "quant_gemm.c"
+CACHE_DIR = Path.home() / ".cache" / "forge" / "cpu"
+FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512dq", "-mf16c",
+         "-mfma", "-fopenmp", "-shared", "-fPIC"]
+GROUP = 32  # inputs per scale
+TILE = 16  # weight rows per tile
+
+
+@dataclass
+class QuantWeight:
+    """w[n, k] = code * scale[n, k // 32] + offset[n, k // 32], in the kernels' tiled layout.
+
+    q4: codes 0..15, two per byte. q8: codes -127..127 stored as code + 128, offset -128 * scale
+    implied. See native/cpu/quant_gemm.c for the layout."""
+
+    bits: int
+    shape: tuple[int, int]  # [N, K]
+    codes: torch.Tensor  # uint8 [N / 16, K / 32, 256 (q4) or 512 (q8)]
+    scale: torch.Tensor  # float16 [N / 16, K / 32, 16]
+    offset: torch.Tensor | None  # likewise, q4 only
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they cannot run here."""
+    if os.environ.get("FORGE_CPU_KERNELS", "native") == "torch":
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except subprocess.CalledProcessError as error:
+        log.warning("native CPU kernels did not build, using torch's: %s\n%s", error, error.stderr)
+        return None
+    except OSError as error:
+        log.warning("native CPU kernels unavailable, using torch's: %s", error)
+        return None
+    if not lib.forge_supported():
+        log.info("this CPU lacks AVX-512 VNNI; using torch's kernels")
+        return None
+    i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.forge_q4_linear.argtypes = [ptr, flag, i64, i64, i64, ptr, ptr, ptr, ptr, flag, flag]
+    lib.forge_q8_linear.argtypes = [ptr, flag, i64, i64, i64, ptr, ptr, ptr, flag, flag]
+    lib.forge_q4_linear.restype = lib.forge_q8_linear.restype = ctypes.c_int
+    return lib
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC", "cc")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version]).encode()).hexdigest()[:16]
+    target = CACHE_DIR / f"quant_gemm-{key}.so"
+    if target.exists():
+        return target
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:  # then renamed: concurrent builds are safe
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
+                       check=True)
+        os.replace(built, target)
+    return target
+
+
+def supports(weight_shape: torch.Size | tuple[int, int]) -> bool:
+    """Whether the kernels can take a weight of this [N, K] shape on this machine."""
+    n, k = weight_shape
+    return n % TILE == 0 and k % GROUP == 0 and library() is not None
+
+
+def _tiled(t: torch.Tensor) -> torch.Tensor:
+    # [N, K / 32] per-group values -> [N / 16, K / 32, 16] fp16
+    n, groups = t.shape
+    return t.view(n // TILE, TILE, groups).transpose(1, 2).half().contiguous()
+
+
+def _chunks(codes: torch.Tensor) -> torch.Tensor:
+    # [N, K] bytes -> [N / 16, K / 32, 8 chunks, 16 rows, 4]: chunk c holds inputs 4c .. 4c + 3 of a group
+    n, k = codes.shape
+    return codes.view(n // TILE, TILE, k // GROUP, 8, 4).permute(0, 2, 3, 1, 4)
+
+
+def pack_q4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> QuantWeight:
+    """From w = (code - 8) * scale + zero (codes [N, K] 0..15; scale, zero fp32 [N, K / 32])."""
+    n, k = codes.shape
+    c = _chunks(codes)
+    packed = (c[:, :, :4] | (c[:, :, 4:] << 4)).reshape(n // TILE, k // GROUP, -1).contiguous()
+    return QuantWeight(4, (n, k), packed, _tiled(scale), _tiled(zero - 8 * scale))
+
+
+def pack_q8(weight: torch.Tensor) -> QuantWeight:
+    """Symmetric int8 with an fp16 scale per group of 32 inputs, from a dense [N, K] weight."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // GROUP, GROUP)
+    scale = (groups.abs().amax(dim=-1) / 127).half()  # [N, K / 32]
+    divisor = scale.float().masked_fill(scale == 0, 1)[..., None]
+    codes = (torch.round(groups / divisor).clamp(-127, 127).to(torch.int16) + 128).to(torch.uint8).view(n, k)
+    return QuantWeight(8, (n, k), _chunks(codes).reshape(n // TILE, k // GROUP, -1).contiguous(),
+                       _tiled(scale.float()), None)
+
+
+def dequantize(w: QuantWeight) -> torch.Tensor:
+    """The [N, K] fp32 weight the kernels multiply by (for tests and checks)."""
+    n, k = w.shape
+    t, groups = n // TILE, k // GROUP
+    c = w.codes.view(t, groups, -1, TILE, 4)
+    if w.bits == 4:
+        c = torch.cat([c & 0x0F, c >> 4], dim=2)  # chunks 0..3, then 4..7
+    codes = c.permute(0, 3, 1, 2, 4).reshape(n, k).float()  # [N, K]
+    scale = w.scale.transpose(1, 2).reshape(n, groups).float()
+    offset = -128 * scale if w.offset is None else w.offset.transpose(1, 2).reshape(n, groups).float()
+    return (codes.view(n, groups, GROUP) * scale[..., None] + offset[..., None]).view(n, k)
+
+
+def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """x [M, K] (bf16 or fp32) @ w.T -> [M, N] in x's dtype."""
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"expected a bf16 or fp32 input [M, {w.shape[1]}], got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    lib = library()
+    common = (x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], w.shape[1], w.shape[0], w.codes.data_ptr(),
+              w.scale.data_ptr())
+    tail = (out.data_ptr(), out.dtype == torch.bfloat16, torch.get_num_threads())
+    if w.offset is not None:
+        status = lib.forge_q4_linear(*common, w.offset.data_ptr(), *tail)
+    else:
+        status = lib.forge_q8_linear(*common, *tail)
+    if status:
+        raise ValueError({1: "unsupported shape", 2: "out of memory"}.get(status, f"kernel status {status}"))
+    return out

@@ -1,0 +1,92 @@
+"""The CPU backend's native kernels (native/cpu/quant_gemm.c) against a torch emulation of their
+arithmetic, and against the exact product."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forge_service.backends import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None,
+                                reason="the native CPU kernels cannot run on this machine")
+
+SHAPES = [(16, 32), (48, 96), (960, 576), (576, 1536)]  # [N, K]: one tile, odd tiles, the default model's
+
+
+def _codes(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    # fp16-exact scales and zeros, as a Q4_1 file stores them
+    scale = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+    zero = ((torch.rand(n, k // 32, generator=g) - 0.5) * 0.02).half().float() + 8 * scale
+    return codes, scale, zero
+
+
+def _activations(x: torch.Tensor) -> torch.Tensor:
+    """The two int8 levels the kernels quantise x [M, K] to, per group of 32, as fp64 values."""
+    m, k = x.shape
+    groups = x.float().view(m, k // 32, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    scaled = groups * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    coarse = torch.round(scaled).clamp(-127, 127)
+    fine = torch.round((scaled - coarse) * 254).clamp(-127, 127)
+    return ((coarse.double() + fine.double() / 254) * (amax.double() / 127)).view(m, k)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_q4_packing_keeps_every_weight(n: int, k: int) -> None:
+    codes, scale, zero = _codes(n, k, seed=n + k)
+    want = ((codes.float() - 8).view(n, k // 32, 32) * scale[..., None] + zero[..., None]).view(n, k)
+    assert torch.allclose(cpu_kernels.dequantize(cpu_kernels.pack_q4(codes, scale, zero)), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 23])
+def test_q4_linear_computes_its_quantised_product(n: int, k: int, rows: int) -> None:
+    codes, scale, zero = _codes(n, k, seed=n * k + rows)
+    w = cpu_kernels.pack_q4(codes, scale, zero)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    exact = x.double() @ cpu_kernels.dequantize(w).double().T
+    got = cpu_kernels.linear(x, w)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    # the kernel's own arithmetic, up to fp32 rounding; and within 16-bit activation error of exact
+    assert _rel(got, _activations(x) @ cpu_kernels.dequantize(w).double().T) < 1e-5
+    assert _rel(got, exact) < 2e-3
+    bf16 = cpu_kernels.linear(x.bfloat16(), w)
+    assert bf16.dtype == torch.bfloat16 and _rel(bf16, x.bfloat16().double() @ cpu_kernels.dequantize(w).double().T) < 1e-2
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_q8_linear_tracks_the_dense_weight(n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    weight = torch.randn(n, k, generator=g) * 0.05
+    w = cpu_kernels.pack_q8(weight)
+    assert _rel(cpu_kernels.dequantize(w), weight) < 0.01  # int8 per group of 32
+    for rows in (1, 4, 17):
+        x = torch.randn(rows, k, generator=g)
+        got = cpu_kernels.linear(x, w)
+        assert _rel(got, _activations(x) @ cpu_kernels.dequantize(w).double().T) < 1e-5
+        assert _rel(got, x.double() @ weight.double().T) < 0.02
+
+
+def test_a_zero_group_stays_zero() -> None:
+    weight = torch.zeros(16, 64)
+    weight[3, 40] = 1.0
+    x = torch.zeros(2, 64)
+    x[1, 40] = 2.0
+    got = cpu_kernels.linear(x, cpu_kernels.pack_q8(weight))
+    assert got[0].abs().max() == 0 and got[1, 3] == pytest.approx(2.0, rel=1e-2)
+
+
+def test_unsupported_inputs_are_refused() -> None:
+    w = cpu_kernels.pack_q8(torch.randn(16, 64))
+    with pytest.raises(ValueError, match="input"):
+        cpu_kernels.linear(torch.randn(2, 32), w)
+    with pytest.raises(ValueError, match="input"):
+        cpu_kernels.linear(torch.randn(2, 64).half(), w)
+    assert not cpu_kernels.supports((24, 64)) and not cpu_kernels.supports((16, 48))
+    assert cpu_kernels.supports((32, 64))
