@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn.functional as F
 
+from forge_service.backends import cpu_kernels
 from forge_service.layers.attention import AttentionMetadata
 from forge_service.layers.norm import rms_norm
 from forge_service.layers.rotary import RotaryEmbedding, apply_rotary
@@ -16,22 +17,32 @@ if TYPE_CHECKING:  # layers.linear imports this package for its native kernels
 
 class CpuBackend:
     """Paged KV writes and attention over a flat batch mixing decodes and prefill chunks, and the
-    model's other ops in plain torch: the reference for every other backend."""
+    model's other ops in plain torch: the reference for every other backend.
+
+    In bf16, the decode path's small ops (norms, SiLU, rotary, decode attention) run on the native
+    kernels of cpu_kernels where they can: one call each instead of up to fifteen torch ops. fp32,
+    the reference, always runs in torch."""
 
     name = "cpu"
     device = torch.device("cpu")
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if cpu_kernels.norm_supported(x, weight):
+            return cpu_kernels.add_rms_norm(x, None, weight, eps)
         return rms_norm(x, weight, eps)
 
     @staticmethod
     def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # residual += delta in place (as `residual + delta` rounds), then its norm
+        if delta.dtype == torch.bfloat16 and cpu_kernels.norm_supported(residual, weight):
+            return cpu_kernels.add_rms_norm(residual, delta, weight, eps)
         return rms_norm(residual.add_(delta), weight, eps)
 
     @staticmethod
     def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.silu_mul_supported(gate_up):
+            return cpu_kernels.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)  # [T, F] each
         return F.silu(gate) * up
 
@@ -48,11 +59,17 @@ class CpuBackend:
         # qk: [T, H + Hkv, hd], the query heads then the key heads -> q [T, H, hd], k [T, Hkv, hd].
         # Rotated together: one set of elementwise ops instead of two.
         cos, sin = tables
-        q, k = apply_rotary(qk, cos, sin).split([num_heads, qk.shape[1] - num_heads], dim=1)
+        if cpu_kernels.rotary_supported(qk, cos, sin):
+            cpu_kernels.rotary_(qk, cos, sin)  # in place: qk is this step's fresh projection
+        else:
+            qk = apply_rotary(qk, cos, sin)
+        q, k = qk.split([num_heads, qk.shape[1] - num_heads], dim=1)
         return q, k
 
     @staticmethod
     def prepare(meta: AttentionMetadata) -> AttentionMetadata:
+        if meta.num_decode_tokens:
+            meta.decode_lens = meta.decode_mask.reshape(meta.num_decode_tokens, -1).sum(-1, dtype=torch.int32)
         return meta
 
     @staticmethod
@@ -94,6 +111,9 @@ class CpuBackend:
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
             scale: float) -> torch.Tensor:
     # q: [D, H, hd] -> [D, H, hd]; keys gathered through block tables
+    if meta.decode_lens is not None and cpu_kernels.decode_attention_supported(q, k_cache):
+        return cpu_kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
+                                            meta.block_size, scale)
     if q.dtype != torch.float32:
         return _decode_grouped(q, k_cache, v_cache, meta, scale)
     keys = _gather_blocks(k_cache, meta.decode_block_tables, meta.block_size).transpose(1, 2)  # [D, Hkv, Lmax, hd]

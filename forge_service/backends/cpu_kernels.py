@@ -24,7 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parents[2] / "native" / "cpu" / "quant_gemm.c"
+SOURCES = sorted((Path(__file__).resolve().parents[2] / "native" / "cpu").glob("*.c"))
 CACHE_DIR = Path.home() / ".cache" / "forge" / "cpu"
 FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512dq", "-mf16c",
          "-mfma", "-fopenmp", "-shared", "-fPIC"]
@@ -62,24 +62,31 @@ def library() -> ctypes.CDLL | None:
     if not lib.forge_supported():
         log.info("this CPU lacks AVX-512 VNNI; using torch's kernels")
         return None
-    i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    i64, ptr, flag, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.forge_q4_linear.argtypes = [ptr, flag, i64, i64, i64, ptr, ptr, ptr, ptr, flag, flag]
     lib.forge_q8_linear.argtypes = [ptr, flag, i64, i64, i64, ptr, ptr, ptr, flag, flag]
-    lib.forge_q4_linear.restype = lib.forge_q8_linear.restype = ctypes.c_int
+    lib.forge_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
+    lib.forge_silu_mul.argtypes = [ptr, ptr, i64, i64]
+    lib.forge_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
+    lib.forge_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr, flag]
+    for name in ("forge_q4_linear", "forge_q8_linear", "forge_decode_attention"):
+        getattr(lib, name).restype = ctypes.c_int
+    lib.forge_add_rms_norm.restype = lib.forge_silu_mul.restype = lib.forge_rotary.restype = None
     return lib
 
 
 def _build() -> Path:
     compiler = os.environ.get("CC", "cc")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version]).encode()).hexdigest()[:16]
-    target = CACHE_DIR / f"quant_gemm-{key}.so"
+    texts = [p.read_text() for p in SOURCES]
+    key = hashlib.sha256("\n".join([*texts, " ".join(FLAGS), version]).encode()).hexdigest()[:16]
+    target = CACHE_DIR / f"forge_cpu-{key}.so"
     if target.exists():
         return target
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:  # then renamed: concurrent builds are safe
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], capture_output=True, text=True,
                        check=True)
         os.replace(built, target)
     return target
@@ -151,4 +158,77 @@ def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         status = lib.forge_q8_linear(*common, *tail)
     if status:
         raise ValueError({1: "unsupported shape", 2: "out of memory"}.get(status, f"kernel status {status}"))
+    return out
+
+
+# ---- the bf16 decode path's other ops: each one call instead of several torch ops ----
+
+def _bf16(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+
+
+def norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """RMSNorm of an fp32 residual stream [T, D] with a bf16 weight."""
+    return (library() is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+            and x.is_contiguous() and _bf16(weight) and x.shape[1] % 16 == 0)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += delta in place (when given), then its RMSNorm -> [T, D] bf16 (HF roundings)."""
+    t, d = residual.shape
+    out = torch.empty(t, d, dtype=torch.bfloat16)
+    if delta is not None:
+        delta = delta.contiguous()
+        assert delta.shape == residual.shape and _bf16(delta)
+    library().forge_add_rms_norm(residual.data_ptr(), None if delta is None else delta.data_ptr(),
+                                 weight.contiguous().data_ptr(), out.data_ptr(), t, d, eps)
+    return out
+
+
+def silu_mul_supported(gate_up: torch.Tensor) -> bool:
+    return library() is not None and _bf16(gate_up) and gate_up.dim() == 2 and gate_up.shape[1] % 32 == 0
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2F] bf16 -> silu(gate) * up, [T, F] bf16."""
+    gate_up = gate_up.contiguous()
+    t, f = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, f, dtype=torch.bfloat16)
+    library().forge_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, f)
+    return out
+
+
+def rotary_supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """x [T, heads, hd] with whole heads contiguous; cos, sin [T, 1, hd] contiguous; all bf16."""
+    hd = x.shape[-1]
+    return (library() is not None and _bf16(x, cos, sin) and x.dim() == 3 and x.stride(2) == 1
+            and x.stride(1) == hd and hd % 32 == 0 and cos.is_contiguous() and sin.is_contiguous())
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x [T, heads, hd] in place by the tables cos, sin [T, 1, hd]."""
+    t, heads, hd = x.shape
+    library().forge_rotary(x.data_ptr(), t, heads, hd, x.stride(0), cos.data_ptr(), sin.data_ptr())
+
+
+def decode_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    hd = q.shape[-1]
+    return (library() is not None and _bf16(q, k_cache) and q.stride(2) == 1 and q.stride(1) == hd
+            and hd % 16 == 0 and hd <= 256 and k_cache.is_contiguous())
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                     lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """q [D, H, hd] (one token per row) against paged caches [slots, Hkv, hd] through block tables
+    [D, W] and context lengths [D] -> [D, H, hd] bf16, computed in fp32."""
+    d, h, hd = q.shape
+    out = torch.empty(d, h, hd, dtype=torch.bfloat16)
+    tables = tables.to(torch.int64).contiguous()
+    lens = lens.to(torch.int32).contiguous()
+    status = library().forge_decode_attention(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.contiguous().data_ptr(), tables.data_ptr(),
+        tables.shape[1], lens.data_ptr(), block_size, d, h, k_cache.shape[1], hd, scale, out.data_ptr(),
+        torch.get_num_threads())
+    if status:
+        raise ValueError(f"decode attention refused its shapes (status {status})")
     return out

@@ -90,3 +90,77 @@ def test_unsupported_inputs_are_refused() -> None:
         cpu_kernels.linear(torch.randn(2, 64).half(), w)
     assert not cpu_kernels.supports((24, 64)) and not cpu_kernels.supports((16, 48))
     assert cpu_kernels.supports((32, 64))
+
+
+# ---- the bf16 decode path's other ops, against the torch code they replace ----
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance between two bf16 tensors in units in the last place."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return int((ia - ib).abs().max())
+
+
+def test_add_rms_norm_matches_the_torch_norm() -> None:
+    from forge_service.layers.norm import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    residual = torch.randn(5, 576, generator=g) * 3
+    delta = torch.randn(5, 576, generator=g).bfloat16()
+    weight = (torch.rand(576, generator=g) + 0.5).bfloat16()
+    want_residual = residual + delta.float()
+    want = rms_norm(want_residual, weight, 1e-5)
+    mine = residual.clone()
+    got = cpu_kernels.add_rms_norm(mine, delta, weight, 1e-5)
+    assert torch.equal(mine, want_residual)  # the residual stream is updated in place, exactly
+    assert got.dtype == torch.bfloat16 and _bf16_ulps(got, want) <= 1  # summation order may differ
+    assert (got == want).float().mean() > 0.99
+    untouched = residual.clone()
+    assert _bf16_ulps(cpu_kernels.add_rms_norm(untouched, None, weight, 1e-5), rms_norm(residual, weight, 1e-5)) <= 1
+    assert torch.equal(untouched, residual)
+
+
+def test_silu_mul_matches_torch() -> None:
+    gate_up = (torch.randn(3, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = cpu_kernels.silu_mul(gate_up)
+    assert _bf16_ulps(got, want) <= 1 and (got == want).float().mean() > 0.99
+
+
+def test_rotary_in_place_matches_the_torch_rotation() -> None:
+    from forge_service.layers.rotary import RotaryEmbedding, apply_rotary
+
+    rope = RotaryEmbedding(64, 4096, 10000.0)
+    cos, sin = rope.tables(torch.tensor([0, 7, 300, 4000]), torch.bfloat16)
+    qkv = torch.randn(4, 15 * 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    qk = qkv[:, :12 * 64].view(4, 12, 64)  # a strided view, as the model passes it
+    want = apply_rotary(qk.clone(), cos, sin)
+    v_before = qkv[:, 12 * 64:].clone()
+    assert cpu_kernels.rotary_supported(qk, cos, sin)
+    cpu_kernels.rotary_(qk, cos, sin)
+    assert torch.equal(qk, want)
+    assert torch.equal(qkv[:, 12 * 64:], v_before)  # the values beside it are untouched
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+def test_decode_attention_matches_fp32_attention_over_the_paged_cache(heads: int, kv_heads: int) -> None:
+    g = torch.Generator().manual_seed(heads)
+    bs, hd, lens = 16, 64, [1, 17, 100, 33]
+    num_blocks = 40
+    k_cache = torch.randn(num_blocks * bs, kv_heads, hd, generator=g).bfloat16()
+    v_cache = torch.randn(num_blocks * bs, kv_heads, hd, generator=g).bfloat16()
+    blocks = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(-(-n // bs) for n in lens)
+    tables = []
+    for n in lens:
+        own, blocks = blocks[:-(-n // bs)], blocks[-(-n // bs):]
+        tables.append(own + [0] * (width - len(own)))
+    q = torch.randn(len(lens), heads, hd, generator=g).bfloat16()
+    got = cpu_kernels.decode_attention(q, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens), bs, hd ** -0.5)
+    for d, n in enumerate(lens):
+        slots = torch.tensor([tables[d][i // bs] * bs + i % bs for i in range(n)])
+        keys = k_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [H, n, hd]
+        values = v_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        probs = torch.softmax(q[d].float()[:, None, :] @ keys.transpose(1, 2) * hd ** -0.5, dim=-1)
+        want = (probs @ values)[:, 0]  # [H, hd]
+        assert (got[d].float() - want).abs().max() < 1e-2 * want.abs().max(), d

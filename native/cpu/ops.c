@@ -1,0 +1,154 @@
+/* The bf16 decode path's elementwise ops and paged decode attention for the CPU backend (AVX-512).
+ *
+ * At one token a step, each of these is a few microseconds of arithmetic behind tens of
+ * microseconds of torch dispatch (an RMSNorm is eight torch ops, decode attention about fifteen);
+ * here each is one call. They keep the torch code's roundings (HF numerics): a product or sum of
+ * bf16 tensors is rounded to bf16 where torch rounds it, and the residual stream stays fp32.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline __m512 bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m512 round_bf16(__m512 y) {  /* to the nearest bf16, ties to even, kept as fp32 */
+    __m512i u = _mm512_castps_si512(y);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline void store_bf16(uint16_t *p, __m512 y) {
+    const __m512i u = _mm512_castps_si512(round_bf16(y));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
+static inline __m512 exp16(__m512 x) {  /* e^x, about 1 ulp: 2^n e^r with |r| <= ln2 / 2 */
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* residual [T, D] fp32 += delta (bf16, may be NULL); out [T, D] bf16 = weight * bf16(residual / rms).
+ * D % 16 == 0. */
+void forge_add_rms_norm(float *residual, const uint16_t *delta, const uint16_t *weight, uint16_t *out, int64_t T,
+                        int64_t D, float eps) {
+    for (int64_t t = 0; t < T; t++) {
+        float *x = residual + t * D;
+        __m512 squares = _mm512_setzero_ps();
+        for (int64_t i = 0; i < D; i += 16) {
+            __m512 v = _mm512_loadu_ps(x + i);
+            if (delta) {
+                v = _mm512_add_ps(v, bf16x16(delta + t * D + i));
+                _mm512_storeu_ps(x + i, v);
+            }
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)D + eps));
+        for (int64_t i = 0; i < D; i += 16) {
+            const __m512 normed = round_bf16(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv));
+            store_bf16(out + t * D + i, _mm512_mul_ps(normed, bf16x16(weight + i)));
+        }
+    }
+}
+
+/* gate_up [T, 2F] bf16 -> out [T, F] bf16 = bf16(silu(gate)) * up. F % 16 == 0. */
+void forge_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t F) {
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *gate = gate_up + t * 2 * F, *up = gate + F;
+        for (int64_t i = 0; i < F; i += 16) {
+            const __m512 g = bf16x16(gate + i);
+            const __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                                          exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+            store_bf16(out + t * F + i, _mm512_mul_ps(silu, bf16x16(up + i)));
+        }
+    }
+}
+
+/* Rotate `heads` heads of hd values in place, rows `stride` apart: HF rotate-half with bf16 tables
+ * cos, sin [T, hd]: x * cos + rotate_half(x) * sin, each product rounded to bf16. hd % 32 == 0. */
+void forge_rotary(uint16_t *x, int64_t T, int64_t heads, int64_t hd, int64_t stride, const uint16_t *cos,
+                  const uint16_t *sin) {
+    const int64_t half = hd / 2;
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *v = x + t * stride + h * hd;
+            for (int64_t i = 0; i < half; i += 16) {
+                const __m512 a = bf16x16(v + i), b = bf16x16(v + half + i);
+                const __m512 c0 = bf16x16(cos + t * hd + i), s0 = bf16x16(sin + t * hd + i);
+                const __m512 c1 = bf16x16(cos + t * hd + half + i), s1 = bf16x16(sin + t * hd + half + i);
+                const __m512 first = _mm512_add_ps(round_bf16(_mm512_mul_ps(a, c0)),
+                                                   round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b), s0)));
+                const __m512 second = _mm512_add_ps(round_bf16(_mm512_mul_ps(b, c1)), round_bf16(_mm512_mul_ps(a, s1)));
+                store_bf16(v + i, first);
+                store_bf16(v + half + i, second);
+            }
+        }
+    }
+}
+
+#define MAX_HEAD_DIM 256
+
+/* One query token per row d against its paged context: out[d, h] = softmax(scale q.K) V, in fp32.
+ * q [D, H, hd] bf16 with rows `q_stride` apart; caches [slots, Hkv, hd] bf16; tables [D, W] block
+ * ids; lens [D] context lengths. hd % 16 == 0, hd <= 256. */
+int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                           const int64_t *tables, int64_t width, const int32_t *lens, int64_t block_size, int64_t D,
+                           int64_t H, int64_t Hkv, int64_t hd, float scale, uint16_t *out, int threads) {
+    if (hd % 16 || hd > MAX_HEAD_DIM || H % Hkv) return 1;
+    int64_t longest = 0;
+    for (int64_t d = 0; d < D; d++) longest = lens[d] > longest ? lens[d] : longest;
+    float *scores = malloc(sizeof(float) * (size_t)(threads * (longest + 16)));
+    if (!scores) return 2;
+    const int64_t group = H / Hkv, vecs = hd / 16;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t job = 0; job < D * H; job++) {
+        const int64_t d = job / H, h = job % H, kvh = h / group, len = lens[d];
+        float *s = scores + (int64_t)omp_get_thread_num() * (longest + 16);
+        __m512 qv[MAX_HEAD_DIM / 16];
+        for (int64_t j = 0; j < vecs; j++) qv[j] = bf16x16(q + d * q_stride + h * hd + 16 * j);
+        float top = -INFINITY;
+        for (int64_t l = 0; l < len; l++) {
+            const int64_t slot = tables[d * width + l / block_size] * block_size + l % block_size;
+            const uint16_t *k = k_cache + (slot * Hkv + kvh) * hd;
+            __m512 dot = _mm512_mul_ps(qv[0], bf16x16(k));
+            for (int64_t j = 1; j < vecs; j++) dot = _mm512_fmadd_ps(qv[j], bf16x16(k + 16 * j), dot);
+            s[l] = _mm512_reduce_add_ps(dot) * scale;
+            top = s[l] > top ? s[l] : top;
+        }
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t l = 0; l < len; l += 16) {
+            const __mmask16 keep = len - l >= 16 ? 0xFFFF : (__mmask16)((1u << (len - l)) - 1);
+            const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + l), _mm512_set1_ps(top))));
+            _mm512_mask_storeu_ps(s + l, keep, e);
+            total = _mm512_add_ps(total, e);
+        }
+        __m512 acc[MAX_HEAD_DIM / 16];
+        for (int64_t j = 0; j < vecs; j++) acc[j] = _mm512_setzero_ps();
+        for (int64_t l = 0; l < len; l++) {
+            const int64_t slot = tables[d * width + l / block_size] * block_size + l % block_size;
+            const uint16_t *v = v_cache + (slot * Hkv + kvh) * hd;
+            const __m512 p = _mm512_set1_ps(s[l]);
+            for (int64_t j = 0; j < vecs; j++) acc[j] = _mm512_fmadd_ps(p, bf16x16(v + 16 * j), acc[j]);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+        for (int64_t j = 0; j < vecs; j++) store_bf16(out + (d * H + h) * hd + 16 * j, _mm512_mul_ps(acc[j], inv));
+    }
+    free(scores);
+    return 0;
+}
