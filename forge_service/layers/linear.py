@@ -63,6 +63,9 @@ class Linear:
         self.scale_zeros: torch.Tensor | None = None
         self.int8: torch.Tensor | None = None  # torch's int8 form, without native kernels
         self.int8_scale: torch.Tensor | None = None
+        # Activations go to the native kernels as two int8 levels (about as exact as bf16), or as one,
+        # twice as fast, for the int8 lm_head: the model recomputes its leading logits in fp32 anyway.
+        self.levels = 1 if int8_rows else 2
         if (int4 is not None or int8_rows) and cpu_kernels.supports(weight.shape):
             self.native = (cpu_kernels.pack_q4(int4.codes, int4.scale, int4.zero) if int4 is not None
                            else cpu_kernels.pack_q8(weight))
@@ -75,7 +78,7 @@ class Linear:
         # x: [T, K] -> [T, N]
         rows = x.shape[0]
         if self.native is not None and rows <= NATIVE_MAX_ROWS:
-            return cpu_kernels.linear(x, self.native)
+            return cpu_kernels.linear(x, self.native, self.levels)
         if self.packed is not None and rows <= INT4_MAX_ROWS:
             return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP, self.scale_zeros)
         if self.int8 is not None and rows <= INT8_MAX_ROWS:

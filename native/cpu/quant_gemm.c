@@ -47,10 +47,11 @@ static inline __m512 load16(const void *x, int bf16, int64_t at) {
     return _mm512_loadu_ps((const float *)x + at);
 }
 
-/* x [M, K] (bf16 or fp32) -> two int8 levels a [2][M, K] with x ~ xd (a0 + a1 / 254), scales xd and
+/* x [M, K] (bf16 or fp32) -> int8 levels a [levels][M, K] with x ~ xd (a0 + a1 / 254), scales xd and
  * xs = xd * sum(a0 + a1 / 254) [M, K / 32]. The second level carries the first one's rounding error,
- * so the product is as exact as with 16-bit activations at int8 speed. */
-static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *a, float *xd, float *xs) {
+ * so the product is as exact as with 16-bit activations at half int8 speed. */
+static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int levels, int8_t *a, float *xd,
+                          float *xs) {
     const int64_t groups = K / GROUP;
     const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
     for (int64_t m = 0; m < M; m++) {
@@ -65,11 +66,12 @@ static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_
                 const __m512 scaled = _mm512_mul_ps(v[h], inv);  /* in units of d */
                 const __m512i q0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(scaled), hi), lo);
                 const __m512 rest = _mm512_mul_ps(_mm512_sub_ps(scaled, _mm512_cvtepi32_ps(q0)), _mm512_set1_ps(254.0f));
-                const __m512i q1 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(rest), hi), lo);
+                const __m512i q1 = levels == 2 ? _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(rest), hi), lo)
+                                               : _mm512_setzero_si512();
                 total = _mm512_add_ps(total, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), _mm512_set1_ps(1.0f / 254.0f),
                                                              _mm512_cvtepi32_ps(q0)));
                 _mm_storeu_si128((__m128i *)(a + at + 16 * h), _mm512_cvtepi32_epi8(q0));
-                _mm_storeu_si128((__m128i *)(a + M * K + at + 16 * h), _mm512_cvtepi32_epi8(q1));
+                if (levels == 2) _mm_storeu_si128((__m128i *)(a + M * K + at + 16 * h), _mm512_cvtepi32_epi8(q1));
             }
             xd[m * groups + g] = d;
             xs[m * groups + g] = d * _mm512_reduce_add_ps(total);
@@ -95,7 +97,7 @@ static inline void store16(void *out, int out_bf16, int64_t at, __m512 y) {
 
 /* One tile of 16 weight rows against activation rows m0 .. m0 + R - 1 -> y[R][16]. R is a
  * constant once inlined, so every accumulator stays in a register. */
-static inline __attribute__((always_inline)) void tile(int q4, const uint8_t *codes, const uint16_t *wd16,
+static inline __attribute__((always_inline)) void tile(int q4, int fine, const uint8_t *codes, const uint16_t *wd16,
                                                        const uint16_t *wm16, const int8_t *a, const int8_t *a_fine,
                                                        const float *xd, const float *xs, int64_t K, int64_t m0,
                                                        const int R, __m512 *y) {
@@ -119,22 +121,22 @@ static inline __attribute__((always_inline)) void tile(int q4, const uint8_t *co
         for (int i = 0; i < R; i++) {
             const int64_t m = m0 + i;
             const int32_t *xa = (const int32_t *)(a + m * K + g * GROUP);
-            const int32_t *xr = (const int32_t *)(a_fine + m * K + g * GROUP);
-            __m512i dot = _mm512_setzero_si512(), fine = _mm512_setzero_si512();
-            for (int c = 0; c < 8; c++) {
-                dot = _mm512_dpbusd_epi32(dot, chunk[c], _mm512_set1_epi32(xa[c]));
-                fine = _mm512_dpbusd_epi32(fine, chunk[c], _mm512_set1_epi32(xr[c]));
+            __m512i dot = _mm512_setzero_si512(), dot_fine = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c++) dot = _mm512_dpbusd_epi32(dot, chunk[c], _mm512_set1_epi32(xa[c]));
+            __m512 sum = _mm512_cvtepi32_ps(dot);
+            if (fine) {
+                const int32_t *xr = (const int32_t *)(a_fine + m * K + g * GROUP);
+                for (int c = 0; c < 8; c++) dot_fine = _mm512_dpbusd_epi32(dot_fine, chunk[c], _mm512_set1_epi32(xr[c]));
+                sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_fine), _mm512_set1_ps(1.0f / 254.0f), sum);
             }
             const __m512 scale = _mm512_mul_ps(wd, _mm512_set1_ps(xd[m * groups + g]));
-            const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(fine), _mm512_set1_ps(1.0f / 254.0f),
-                                               _mm512_cvtepi32_ps(dot));
             y[i] = _mm512_fmadd_ps(sum, scale, y[i]);
             y[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xs[m * groups + g]), y[i]);
         }
     }
 }
 
-static inline __attribute__((always_inline)) void run(int q4, const uint8_t *codes, const uint16_t *wd16,
+static inline __attribute__((always_inline)) void run(int q4, int fine, const uint8_t *codes, const uint16_t *wd16,
                                                       const uint16_t *wm16, const int8_t *a, const float *xd,
                                                       const float *xs, int64_t M, int64_t K, int64_t N,
                                                       void *out, int out_bf16, int threads) {
@@ -147,10 +149,10 @@ static inline __attribute__((always_inline)) void run(int q4, const uint8_t *cod
         for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
             const int64_t rows = M - m0 < ROWS ? M - m0 : ROWS;
             switch (rows) {
-                case 1: tile(q4, w, d, o, a, a + M * K, xd, xs, K, m0, 1, y); break;
-                case 2: tile(q4, w, d, o, a, a + M * K, xd, xs, K, m0, 2, y); break;
-                case 3: tile(q4, w, d, o, a, a + M * K, xd, xs, K, m0, 3, y); break;
-                default: tile(q4, w, d, o, a, a + M * K, xd, xs, K, m0, 4, y); break;
+                case 1: tile(q4, fine, w, d, o, a, a + M * K, xd, xs, K, m0, 1, y); break;
+                case 2: tile(q4, fine, w, d, o, a, a + M * K, xd, xs, K, m0, 2, y); break;
+                case 3: tile(q4, fine, w, d, o, a, a + M * K, xd, xs, K, m0, 3, y); break;
+                default: tile(q4, fine, w, d, o, a, a + M * K, xd, xs, K, m0, 4, y); break;
             }
             for (int64_t i = 0; i < rows; i++) store16(out, out_bf16, (m0 + i) * N + t * TILE, y[i]);
         }
@@ -158,30 +160,36 @@ static inline __attribute__((always_inline)) void run(int q4, const uint8_t *cod
 }
 
 static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
-                  const uint16_t *wd16, const uint16_t *wm16, void *out, int out_bf16, int threads) {
-    if (M < 1 || N < TILE || N % TILE || K < GROUP || K % GROUP) return BAD_SHAPE;
+                  const uint16_t *wd16, const uint16_t *wm16, void *out, int out_bf16, int levels, int threads) {
+    if (M < 1 || N < TILE || N % TILE || K < GROUP || K % GROUP || levels < 1 || levels > 2) return BAD_SHAPE;
     const int64_t groups = K / GROUP;
-    int8_t *a = malloc(2 * M * K + 2 * M * groups * sizeof(float));
+    int8_t *a = malloc(levels * M * K + 2 * M * groups * sizeof(float));
     if (!a) return NO_MEMORY;
-    float *xd = (float *)(a + 2 * M * K), *xs = xd + M * groups;
-    quantize_rows(x, x_bf16, M, K, a, xd, xs);
-    if (q4)
-        run(1, codes, wd16, wm16, a, xd, xs, M, K, N, out, out_bf16, threads);
+    float *xd = (float *)(a + levels * M * K), *xs = xd + M * groups;
+    quantize_rows(x, x_bf16, M, K, levels, a, xd, xs);
+    /* constant flags, so that each combination compiles to its own loop */
+    if (q4 && levels == 2)
+        run(1, 1, codes, wd16, wm16, a, xd, xs, M, K, N, out, out_bf16, threads);
+    else if (q4)
+        run(1, 0, codes, wd16, wm16, a, xd, xs, M, K, N, out, out_bf16, threads);
+    else if (levels == 2)
+        run(0, 1, codes, wd16, NULL, a, xd, xs, M, K, N, out, out_bf16, threads);
     else
-        run(0, codes, wd16, NULL, a, xd, xs, M, K, N, out, out_bf16, threads);
+        run(0, 0, codes, wd16, NULL, a, xd, xs, M, K, N, out, out_bf16, threads);
     free(a);
     return OK;
 }
 
 /* y[M, N] = x[M, K] @ w[N, K].T, w in the q4 layout (codes [N / 16][K / 32][256] bytes, wd16 and
- * wm16 fp16 [N / 16][K / 32][16]). x and y are bf16 when the flags say so, fp32 otherwise. */
+ * wm16 fp16 [N / 16][K / 32][16]). x and y are bf16 when the flags say so, fp32 otherwise; x is
+ * quantised to `levels` (1 or 2) int8 levels; `threads` OpenMP threads. */
 int forge_q4_linear(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
-                    const uint16_t *wd16, const uint16_t *wm16, void *out, int out_bf16, int threads) {
-    return linear(1, x, x_bf16, M, K, N, codes, wd16, wm16, out, out_bf16, threads);
+                    const uint16_t *wd16, const uint16_t *wm16, void *out, int out_bf16, int levels, int threads) {
+    return linear(1, x, x_bf16, M, K, N, codes, wd16, wm16, out, out_bf16, levels, threads);
 }
 
 /* As forge_q4_linear, w in the q8 layout (codes [N / 16][K / 32][512] bytes, wd16). */
 int forge_q8_linear(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
-                    const uint16_t *wd16, void *out, int out_bf16, int threads) {
-    return linear(0, x, x_bf16, M, K, N, codes, wd16, NULL, out, out_bf16, threads);
+                    const uint16_t *wd16, void *out, int out_bf16, int levels, int threads) {
+    return linear(0, x, x_bf16, M, K, N, codes, wd16, NULL, out, out_bf16, levels, threads);
 }

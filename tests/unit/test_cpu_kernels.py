@@ -22,14 +22,14 @@ def _codes(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return codes, scale, zero
 
 
-def _activations(x: torch.Tensor) -> torch.Tensor:
-    """The two int8 levels the kernels quantise x [M, K] to, per group of 32, as fp64 values."""
+def _activations(x: torch.Tensor, levels: int = 2) -> torch.Tensor:
+    """The int8 levels the kernels quantise x [M, K] to, per group of 32, as fp64 values."""
     m, k = x.shape
     groups = x.float().view(m, k // 32, 32)
     amax = groups.abs().amax(-1, keepdim=True)
     scaled = groups * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
     coarse = torch.round(scaled).clamp(-127, 127)
-    fine = torch.round((scaled - coarse) * 254).clamp(-127, 127)
+    fine = torch.round((scaled - coarse) * 254).clamp(-127, 127) * (levels == 2)
     return ((coarse.double() + fine.double() / 254) * (amax.double() / 127)).view(m, k)
 
 
@@ -56,20 +56,24 @@ def test_q4_linear_computes_its_quantised_product(n: int, k: int, rows: int) -> 
     # the kernel's own arithmetic, up to fp32 rounding; and within 16-bit activation error of exact
     assert _rel(got, _activations(x) @ cpu_kernels.dequantize(w).double().T) < 1e-5
     assert _rel(got, exact) < 2e-3
+    one_level = cpu_kernels.linear(x, w, levels=1)
+    assert _rel(one_level, _activations(x, levels=1) @ cpu_kernels.dequantize(w).double().T) < 1e-5
+    assert _rel(one_level, exact) > _rel(got, exact)  # the second level is what makes it close
     bf16 = cpu_kernels.linear(x.bfloat16(), w)
     assert bf16.dtype == torch.bfloat16 and _rel(bf16, x.bfloat16().double() @ cpu_kernels.dequantize(w).double().T) < 1e-2
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_q8_linear_tracks_the_dense_weight(n: int, k: int) -> None:
+@pytest.mark.parametrize("levels", [1, 2])
+def test_q8_linear_tracks_the_dense_weight(n: int, k: int, levels: int) -> None:
     g = torch.Generator().manual_seed(n)
     weight = torch.randn(n, k, generator=g) * 0.05
     w = cpu_kernels.pack_q8(weight)
     assert _rel(cpu_kernels.dequantize(w), weight) < 0.01  # int8 per group of 32
     for rows in (1, 4, 17):
         x = torch.randn(rows, k, generator=g)
-        got = cpu_kernels.linear(x, w)
-        assert _rel(got, _activations(x) @ cpu_kernels.dequantize(w).double().T) < 1e-5
+        got = cpu_kernels.linear(x, w, levels)
+        assert _rel(got, _activations(x, levels) @ cpu_kernels.dequantize(w).double().T) < 1e-5
         assert _rel(got, x.double() @ weight.double().T) < 0.02
 
 
@@ -88,6 +92,8 @@ def test_unsupported_inputs_are_refused() -> None:
         cpu_kernels.linear(torch.randn(2, 32), w)
     with pytest.raises(ValueError, match="input"):
         cpu_kernels.linear(torch.randn(2, 64).half(), w)
+    with pytest.raises(ValueError, match="levels"):
+        cpu_kernels.linear(torch.randn(2, 64), w, levels=3)
     assert not cpu_kernels.supports((24, 64)) and not cpu_kernels.supports((16, 48))
     assert cpu_kernels.supports((32, 64))
 
