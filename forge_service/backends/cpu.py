@@ -19,9 +19,9 @@ class CpuBackend:
     """Paged KV writes and attention over a flat batch mixing decodes and prefill chunks, and the
     model's other ops in plain torch: the reference for every other backend.
 
-    In bf16, the decode path's small ops (norms, SiLU, rotary, decode attention) run on the native
-    kernels of cpu_kernels where they can: one call each instead of up to fifteen torch ops. fp32,
-    the reference, always runs in torch."""
+    In bf16, the norms, SiLU, rotary and attention run on the native kernels of cpu_kernels where
+    they can: one call each instead of up to fifteen torch ops, and attention in fp32. fp32, the
+    reference, always runs in torch."""
 
     name = "cpu"
     device = torch.device("cpu")
@@ -99,19 +99,25 @@ class CpuBackend:
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [T, H, hd]; k, v: [T, Hkv, hd] (this step's tokens, already in the cache) -> [T, H * hd]
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)
         d = meta.num_decode_tokens
         if d:
             out[:d] = _decode(q[:d], k_cache, v_cache, meta, scale)
+        native = cpu_kernels.attention_supported(q, k_cache)
         for seq in meta.prefills:
-            out[seq.q_start:seq.q_end] = _prefill(q, k, v, k_cache, v_cache, seq, scale)
+            if native:  # straight into its rows of `out`
+                slots = meta.slot_mapping[seq.q_start:seq.q_end] if seq.ctx_slots is None else seq.ctx_slots
+                cpu_kernels.prefill_attention(q[seq.q_start:seq.q_end], k_cache, v_cache, slots, scale,
+                                              out[seq.q_start:seq.q_end])
+            else:
+                out[seq.q_start:seq.q_end] = _prefill(q, k, v, k_cache, v_cache, seq, scale)
         return out.flatten(1)
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
             scale: float) -> torch.Tensor:
     # q: [D, H, hd] -> [D, H, hd]; keys gathered through block tables
-    if meta.decode_lens is not None and cpu_kernels.decode_attention_supported(q, k_cache):
+    if meta.decode_lens is not None and cpu_kernels.attention_supported(q, k_cache):
         return cpu_kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
                                             meta.block_size, scale)
     if q.dtype != torch.float32:

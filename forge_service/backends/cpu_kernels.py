@@ -69,7 +69,8 @@ def library() -> ctypes.CDLL | None:
     lib.forge_silu_mul.argtypes = [ptr, ptr, i64, i64]
     lib.forge_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
     lib.forge_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr, flag]
-    for name in ("forge_q4_linear", "forge_q8_linear", "forge_decode_attention"):
+    lib.forge_prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, flag]
+    for name in ("forge_q4_linear", "forge_q8_linear", "forge_decode_attention", "forge_prefill_attention"):
         getattr(lib, name).restype = ctypes.c_int
     lib.forge_add_rms_norm.restype = lib.forge_silu_mul.restype = lib.forge_rotary.restype = None
     return lib
@@ -214,7 +215,8 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     library().forge_rotary(x.data_ptr(), t, heads, hd, x.stride(0), cos.data_ptr(), sin.data_ptr())
 
 
-def decode_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """q [T, H, hd] with whole heads contiguous, against a contiguous cache; both bf16."""
     hd = q.shape[-1]
     return (library() is not None and _bf16(q, k_cache) and q.stride(2) == 1 and q.stride(1) == hd
             and hd % 16 == 0 and hd <= 256 and k_cache.is_contiguous())
@@ -228,10 +230,25 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty(d, h, hd, dtype=torch.bfloat16)
     tables = tables.to(torch.int64).contiguous()
     lens = lens.to(torch.int32).contiguous()
-    status = library().forge_decode_attention(
+    _status(library().forge_decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.contiguous().data_ptr(), tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), block_size, d, h, k_cache.shape[1], hd, scale, out.data_ptr(),
-        torch.get_num_threads())
-    if status:
-        raise ValueError(f"decode attention refused its shapes (status {status})")
+        torch.get_num_threads()))
     return out
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                      scale: float, out: torch.Tensor) -> None:
+    """A chunk of L query tokens [L, H, hd], the last L of the context whose K/V sit at `slots` [C]
+    of the caches (the chunk's own included), causally -> out [L, H, hd] bf16 (contiguous)."""
+    length, h, hd = q.shape
+    slots = slots.to(torch.int64).contiguous()
+    assert out.is_contiguous() and out.shape == q.shape and _bf16(out)
+    _status(library().forge_prefill_attention(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.contiguous().data_ptr(), slots.data_ptr(),
+        slots.shape[0], length, h, k_cache.shape[1], hd, scale, out.data_ptr(), torch.get_num_threads()))
+
+
+def _status(code: int) -> None:
+    if code:
+        raise ValueError(f"attention refused its shapes (status {code})")

@@ -104,50 +104,88 @@ void forge_rotary(uint16_t *x, int64_t T, int64_t heads, int64_t hd, int64_t str
 
 #define MAX_HEAD_DIM 256
 
+/* One query head against n keys at `slots` of one KV head: out = softmax(scale q.K) V in fp32,
+ * rounded to bf16. `s` holds n + 16 floats of scratch. */
+static void attend(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *slots,
+                   int64_t n, int64_t Hkv, int64_t kvh, int64_t hd, float scale, float *s, uint16_t *out) {
+    const int64_t vecs = hd / 16;
+    __m512 qv[MAX_HEAD_DIM / 16];
+    for (int64_t j = 0; j < vecs; j++) qv[j] = bf16x16(q + 16 * j);
+    float top = -INFINITY;
+    for (int64_t l = 0; l < n; l++) {
+        const uint16_t *k = k_cache + (slots[l] * Hkv + kvh) * hd;
+        __m512 dot = _mm512_mul_ps(qv[0], bf16x16(k));
+        for (int64_t j = 1; j < vecs; j++) dot = _mm512_fmadd_ps(qv[j], bf16x16(k + 16 * j), dot);
+        s[l] = _mm512_reduce_add_ps(dot) * scale;
+        top = s[l] > top ? s[l] : top;
+    }
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t l = 0; l < n; l += 16) {
+        const __mmask16 keep = n - l >= 16 ? 0xFFFF : (__mmask16)((1u << (n - l)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + l),
+                                                                      _mm512_set1_ps(top))));
+        _mm512_mask_storeu_ps(s + l, keep, e);
+        total = _mm512_add_ps(total, e);
+    }
+    __m512 acc[MAX_HEAD_DIM / 16];
+    for (int64_t j = 0; j < vecs; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < n; l++) {
+        const uint16_t *v = v_cache + (slots[l] * Hkv + kvh) * hd;
+        const __m512 p = _mm512_set1_ps(s[l]);
+        for (int64_t j = 0; j < vecs; j++) acc[j] = _mm512_fmadd_ps(p, bf16x16(v + 16 * j), acc[j]);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    for (int64_t j = 0; j < vecs; j++) store_bf16(out + 16 * j, _mm512_mul_ps(acc[j], inv));
+}
+
+static int shapes_ok(int64_t H, int64_t Hkv, int64_t hd) {
+    return hd % 16 == 0 && hd <= MAX_HEAD_DIM && Hkv > 0 && H % Hkv == 0;
+}
+
 /* One query token per row d against its paged context: out[d, h] = softmax(scale q.K) V, in fp32.
  * q [D, H, hd] bf16 with rows `q_stride` apart; caches [slots, Hkv, hd] bf16; tables [D, W] block
- * ids; lens [D] context lengths. hd % 16 == 0, hd <= 256. */
+ * ids; lens [D] context lengths; out [D, H, hd]. hd % 16 == 0, hd <= 256. */
 int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int64_t *tables, int64_t width, const int32_t *lens, int64_t block_size, int64_t D,
                            int64_t H, int64_t Hkv, int64_t hd, float scale, uint16_t *out, int threads) {
-    if (hd % 16 || hd > MAX_HEAD_DIM || H % Hkv) return 1;
+    if (!shapes_ok(H, Hkv, hd)) return 1;
     int64_t longest = 0;
     for (int64_t d = 0; d < D; d++) longest = lens[d] > longest ? lens[d] : longest;
+    int64_t *slots = malloc(sizeof(int64_t) * (size_t)(D * longest));
     float *scores = malloc(sizeof(float) * (size_t)(threads * (longest + 16)));
-    if (!scores) return 2;
-    const int64_t group = H / Hkv, vecs = hd / 16;
+    if (!slots || !scores) {
+        free(slots);
+        free(scores);
+        return 2;
+    }
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t l = 0; l < lens[d]; l++)
+            slots[d * longest + l] = tables[d * width + l / block_size] * block_size + l % block_size;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t job = 0; job < D * H; job++) {
-        const int64_t d = job / H, h = job % H, kvh = h / group, len = lens[d];
-        float *s = scores + (int64_t)omp_get_thread_num() * (longest + 16);
-        __m512 qv[MAX_HEAD_DIM / 16];
-        for (int64_t j = 0; j < vecs; j++) qv[j] = bf16x16(q + d * q_stride + h * hd + 16 * j);
-        float top = -INFINITY;
-        for (int64_t l = 0; l < len; l++) {
-            const int64_t slot = tables[d * width + l / block_size] * block_size + l % block_size;
-            const uint16_t *k = k_cache + (slot * Hkv + kvh) * hd;
-            __m512 dot = _mm512_mul_ps(qv[0], bf16x16(k));
-            for (int64_t j = 1; j < vecs; j++) dot = _mm512_fmadd_ps(qv[j], bf16x16(k + 16 * j), dot);
-            s[l] = _mm512_reduce_add_ps(dot) * scale;
-            top = s[l] > top ? s[l] : top;
-        }
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t l = 0; l < len; l += 16) {
-            const __mmask16 keep = len - l >= 16 ? 0xFFFF : (__mmask16)((1u << (len - l)) - 1);
-            const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + l), _mm512_set1_ps(top))));
-            _mm512_mask_storeu_ps(s + l, keep, e);
-            total = _mm512_add_ps(total, e);
-        }
-        __m512 acc[MAX_HEAD_DIM / 16];
-        for (int64_t j = 0; j < vecs; j++) acc[j] = _mm512_setzero_ps();
-        for (int64_t l = 0; l < len; l++) {
-            const int64_t slot = tables[d * width + l / block_size] * block_size + l % block_size;
-            const uint16_t *v = v_cache + (slot * Hkv + kvh) * hd;
-            const __m512 p = _mm512_set1_ps(s[l]);
-            for (int64_t j = 0; j < vecs; j++) acc[j] = _mm512_fmadd_ps(p, bf16x16(v + 16 * j), acc[j]);
-        }
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-        for (int64_t j = 0; j < vecs; j++) store_bf16(out + (d * H + h) * hd + 16 * j, _mm512_mul_ps(acc[j], inv));
+        const int64_t d = job / H, h = job % H;
+        attend(q + d * q_stride + h * hd, k_cache, v_cache, slots + d * longest, lens[d], Hkv, h / (H / Hkv), hd,
+               scale, scores + (int64_t)omp_get_thread_num() * (longest + 16), out + (d * H + h) * hd);
+    }
+    free(slots);
+    free(scores);
+    return 0;
+}
+
+/* A chunk of L query tokens of one sequence, the last L of its C context tokens (at `slots`, this
+ * chunk's own K/V included): query i attends keys 0 .. C - L + i. q [L, H, hd] with rows `q_stride`
+ * apart; out [L, H, hd]. */
+int forge_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                            const int64_t *slots, int64_t C, int64_t L, int64_t H, int64_t Hkv, int64_t hd,
+                            float scale, uint16_t *out, int threads) {
+    if (!shapes_ok(H, Hkv, hd) || L > C || L < 1) return 1;
+    float *scores = malloc(sizeof(float) * (size_t)(threads * (C + 16)));
+    if (!scores) return 2;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
+    for (int64_t job = 0; job < L * H; job++) {
+        const int64_t i = L - 1 - job / H, h = job % H;  /* longest rows first */
+        attend(q + i * q_stride + h * hd, k_cache, v_cache, slots, C - L + i + 1, Hkv, h / (H / Hkv), hd, scale,
+               scores + (int64_t)omp_get_thread_num() * (C + 16), out + (i * H + h) * hd);
     }
     free(scores);
     return 0;

@@ -170,3 +170,23 @@ def test_decode_attention_matches_fp32_attention_over_the_paged_cache(heads: int
         probs = torch.softmax(q[d].float()[:, None, :] @ keys.transpose(1, 2) * hd ** -0.5, dim=-1)
         want = (probs @ values)[:, 0]  # [H, hd]
         assert (got[d].float() - want).abs().max() < 1e-2 * want.abs().max(), d
+
+
+@pytest.mark.parametrize("context,chunk", [(37, 37), (100, 24), (50, 1)])
+def test_prefill_attention_is_causal_over_the_whole_context(context: int, chunk: int) -> None:
+    g = torch.Generator().manual_seed(context)
+    heads, kv_heads, hd = 6, 2, 32
+    k_cache = torch.randn(256, kv_heads, hd, generator=g).bfloat16()
+    v_cache = torch.randn(256, kv_heads, hd, generator=g).bfloat16()
+    slots = torch.randperm(256, generator=g)[:context]
+    qkv = torch.randn(chunk, (heads + 2 * kv_heads) * hd, generator=g).bfloat16()
+    q = qkv[:, :heads * hd].view(chunk, heads, hd)  # strided rows, as the model passes them
+    out = torch.empty(chunk, heads, hd, dtype=torch.bfloat16)
+    cpu_kernels.prefill_attention(q, k_cache, v_cache, slots, 0.2, out)
+    keys = k_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [H, C, hd]
+    values = v_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+    q_pos = torch.arange(context - chunk, context)[:, None]
+    allowed = torch.arange(context)[None, :] <= q_pos  # [L, C]
+    scores = (q.float().transpose(0, 1) @ keys.transpose(1, 2) * 0.2).masked_fill(~allowed, float("-inf"))
+    want = (torch.softmax(scores, dim=-1) @ values).transpose(0, 1)  # [L, H, hd]
+    assert (out.float() - want).abs().max() < 1e-2 * want.abs().max()
