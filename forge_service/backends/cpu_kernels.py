@@ -1,9 +1,10 @@
 """The CPU backend's native kernels (native/cpu/), built with the system C compiler at first use.
 
-They multiply a few activation rows by group-quantised weights: 4-bit codes with a scale and an
-offset per group of 32 inputs, or int8 codes with a scale, against activations quantised to int8
-per group (AVX-512 VNNI). Decode steps are bound by reading weights; these kernels read them at
-close to memory speed where torch's 4-bit kernel dequantises each weight to float first.
+quant_gemm.c multiplies a few activation rows by group-quantised weights: 4-bit codes with a scale
+and an offset per group of 32 inputs, or int8 codes with a scale, against activations quantised to
+int8 per group (AVX-512 VNNI). Decode steps are bound by reading weights; these kernels read them
+at close to memory speed where torch's 4-bit kernel dequantises each weight to float first.
+ops.c holds the bf16 path's norms, SiLU, rotary and attention, one call each.
 
 Where they cannot run (no C compiler, a CPU without AVX-512 VNNI, FORGE_CPU_KERNELS=torch), the
 callers keep torch's kernels: `library()` returns None.
@@ -112,7 +113,10 @@ def _chunks(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pack_q4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> QuantWeight:
-    """From w = (code - 8) * scale + zero (codes [N, K] 0..15; scale, zero fp32 [N, K / 32])."""
+    """From w = (code - 8) * scale + zero (codes [N, K] 0..15; scale, zero fp32 [N, K / 32]).
+
+    Scales and offsets are kept in fp16: exactly for Q4_0 and Q4_1, whose scales and minimums are
+    fp16 in the file; Q4_K's products of a scale and a 6-bit sub-scale round to 11 bits."""
     n, k = codes.shape
     c = _chunks(codes)
     packed = (c[:, :, :4] | (c[:, :, 4:] << 4)).reshape(n // TILE, k // GROUP, -1).contiguous()

@@ -25,8 +25,8 @@ INT4_MAX_ROWS = 24
 # Likewise for the per-row int8 kernel (2x at 1 row on the 49k x 576 lm_head, slower from 16).
 INT8_MAX_ROWS = 4
 # The native kernels against the bf16 GEMM on the default model's shapes: 5x at 1 row on gate_up
-# (2x torch's 4-bit kernel), even at 16 to 24 rows, slower from 32; 3x torch's int8 kernel on
-# the lm_head at 1 row.
+# (2x torch's 4-bit kernel), even at 16 to 24 rows, slower from 32; about 4x torch's int8 kernel
+# on the lm_head at 1 row.
 NATIVE_MAX_ROWS = 24
 
 
