@@ -68,8 +68,6 @@ class CpuBackend:
 
     @staticmethod
     def prepare(meta: AttentionMetadata) -> AttentionMetadata:
-        if meta.num_decode_tokens:
-            meta.decode_lens = meta.decode_mask.reshape(meta.num_decode_tokens, -1).sum(-1, dtype=torch.int32)
         return meta
 
     @staticmethod

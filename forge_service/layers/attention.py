@@ -30,5 +30,5 @@ class AttentionMetadata:
     # block at a time, Lmax = W * block_size.
     decode_block_tables: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, Lmax] bool, True = attend
-    decode_lens: torch.Tensor | None = None  # [D] int32 context lengths (the mask's), set by the CPU backend
+    decode_lens: torch.Tensor | None = None  # [D] int32 context lengths, the mask's own
     prefills: list[PrefillSeq] = field(default_factory=list)

@@ -73,7 +73,8 @@ class ModelRunner:
         input_ids, positions, slots, logit_rows, tables = self._flat_inputs(ordered)
         meta = AttentionMetadata(slot_mapping=slots, block_size=self.block_size, num_decode_tokens=len(decodes))
         if decodes:
-            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decodes, tables[:len(decodes)])
+            meta.decode_block_tables, meta.decode_mask, meta.decode_lens = self._decode_tables(
+                decodes, tables[:len(decodes)])
         meta.prefills = self._prefill_seqs(prefills, len(decodes))
         meta = self.backend.prepare(meta)  # the backend's form, on its device, once per step
         input_ids, positions = input_ids.to(self.device), positions.to(self.device)
@@ -112,14 +113,15 @@ class ModelRunner:
         p = torch.arange(length)
         return tables[:, p // self.block_size] * self.block_size + p % self.block_size
 
-    def _decode_tables(self, decodes: list[ScheduledChunk], tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_tables(self, decodes: list[ScheduledChunk],
+                       tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # tables: the decode rows of the step's block tables (padded with 0). Keep only the blocks
         # that hold context: a table may already own a block for the next token.
         width = max(-(-c.end // self.block_size) for c in decodes)
         tables = tables[:, :width]  # [D, W]
-        lens = torch.tensor([c.end for c in decodes])
+        lens = torch.tensor([c.end for c in decodes], dtype=torch.int32)
         mask = torch.arange(width * self.block_size).unsqueeze(0) < lens.unsqueeze(1)  # [D, Lmax]
-        return tables, mask[:, None, None, :]
+        return tables, mask[:, None, None, :], lens
 
     def _prefill_seqs(self, prefills: list[ScheduledChunk], offset: int) -> list[PrefillSeq]:
         seqs = []

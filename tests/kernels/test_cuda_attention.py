@@ -62,7 +62,7 @@ def decode_meta(cache: Cache, lens: list[int]) -> AttentionMetadata:
     mask = torch.arange(width * BS)[None] < torch.tensor(lens)[:, None]
     return AttentionMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.long), block_size=BS,
                              num_decode_tokens=len(lens), decode_block_tables=tables,
-                             decode_mask=mask[:, None, None, :])
+                             decode_mask=mask[:, None, None, :], decode_lens=torch.tensor(lens, dtype=torch.int32))
 
 
 def reference(cache: Cache, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

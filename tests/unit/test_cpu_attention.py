@@ -41,6 +41,7 @@ def test_mixed_batch_of_decodes_and_prefill_chunks(dtype, tol):
         slot_mapping=torch.zeros(0, dtype=torch.long), block_size=BS, num_decode_tokens=len(lens),
         decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         decode_mask=(torch.arange(width * BS)[None] < torch.tensor(lens)[:, None])[:, None, None, :],
+        decode_lens=torch.tensor(lens, dtype=torch.int32),
         prefills=[PrefillSeq(3, 3 + end - start, ctx_slots=slots(chunk_table, end),
                              mask=torch.arange(end)[None] <= torch.arange(start, end)[:, None])],
     )

@@ -44,7 +44,7 @@ def prepare(meta: AttentionMetadata, shape: ModelShape, device: torch.device) ->
     if d:
         tables = meta.decode_block_tables
         out.decode_tables = _to(tables, device, torch.int32)
-        out.decode_lens = _to(meta.decode_mask.reshape(d, -1).sum(-1), device, torch.int32)
+        out.decode_lens = _to(meta.decode_lens, device, torch.int32)
         out.num_splits = plan_splits(d, shape.num_kv_heads, tables.shape[1] * meta.block_size, shape.num_sms)
     if not meta.prefills:
         return out
