@@ -223,7 +223,7 @@ def attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """q [T, H, hd] with whole heads contiguous, against a contiguous cache; both bf16."""
     hd = q.shape[-1]
     return (library() is not None and _bf16(q, k_cache) and q.stride(2) == 1 and q.stride(1) == hd
-            and hd % 16 == 0 and hd <= 256 and k_cache.is_contiguous())
+            and hd % 32 == 0 and hd <= 256 and k_cache.is_contiguous())
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

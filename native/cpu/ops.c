@@ -103,48 +103,121 @@ void forge_rotary(uint16_t *x, int64_t T, int64_t heads, int64_t hd, int64_t str
 }
 
 #define MAX_HEAD_DIM 256
+#define MAX_PAIRS (MAX_HEAD_DIM / 32)
 
-/* One query head against n keys at `slots` of one KV head: out = softmax(scale q.K) V in fp32,
- * rounded to bf16. `s` holds n + 16 floats of scratch. */
-static void attend(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *slots,
-                   int64_t n, int64_t Hkv, int64_t kvh, int64_t hd, float scale, float *s, uint16_t *out) {
-    const int64_t vecs = hd / 16;
-    __m512 qv[MAX_HEAD_DIM / 16];
-    for (int64_t j = 0; j < vecs; j++) qv[j] = bf16x16(q + 16 * j);
-    float top = -INFINITY;
-    for (int64_t l = 0; l < n; l++) {
-        const uint16_t *k = k_cache + (slots[l] * Hkv + kvh) * hd;
-        __m512 dot = _mm512_mul_ps(qv[0], bf16x16(k));
-        for (int64_t j = 1; j < vecs; j++) dot = _mm512_fmadd_ps(qv[j], bf16x16(k + 16 * j), dot);
-        s[l] = _mm512_reduce_add_ps(dot) * scale;
-        top = s[l] > top ? s[l] : top;
+/* 32 bf16 at p as fp32: the even-indexed elements and the odd-indexed ones. One op each, where
+ * widening them in order takes two per 16: a bf16 is the high half of its fp32. Dot products do
+ * not care about the order, and weighted sums are put back in order once at the end. */
+static inline void split_bf16(const uint16_t *p, __m512 *even, __m512 *odd) {
+    const __m512i v = _mm512_loadu_si512(p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* Lane i of the result = the sum of v[i]'s lanes (v is clobbered): 16 horizontal sums in 46 ops,
+ * where 16 separate reductions take about 128 and a long dependency chain each. */
+static inline __m512 sum16(__m512 *v) {
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++)  /* quads 0-1 hold key 2i, quads 2-3 key 2i + 1 */
+        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)  /* quad q holds key 4i + q */
+        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xDD));
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++)  /* quad q: lanes 0 and 2 hold key 8i + q, lanes 1 and 3 key 8i + 4 + q */
+        v[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    /* lane 4q + r holds key q, 8 + q, 4 + q, 12 + q for r = 0, 1, 2, 3 */
+    const __m512 mixed = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, mixed);
+}
+
+/* One query head against n keys at `slots` of one KV head (rows `row` apart from `off`):
+ * out = softmax(scale q.K) V in fp32, rounded to bf16. `s` holds n + 16 floats of scratch.
+ * hd is a constant where inlined, so the query and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend(const uint16_t *q, const uint16_t *k_cache,
+                                                          const uint16_t *v_cache, const int64_t *slots, int64_t n,
+                                                          int64_t row, int64_t off, const int64_t hd, float scale,
+                                                          float *s, uint16_t *out) {
+    const int64_t pairs = hd / 32;
+    __m512 qv[2 * MAX_PAIRS];
+    for (int64_t c = 0; c < pairs; c++) split_bf16(q + 32 * c, &qv[2 * c], &qv[2 * c + 1]);
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t l0 = 0; l0 < n; l0 += 16) {  /* scores, 16 keys at a time */
+        const int64_t count = n - l0 < 16 ? n - l0 : 16;
+        /* Ahead of use: the next 16 keys, and these 16 keys' values. Slots come in blocks scattered
+         * over the cache, which the hardware prefetcher does not follow. */
+        for (int64_t l = l0 + 16; l < n && l < l0 + 32; l++)
+            for (int64_t b = 0; b < 2 * hd; b += 64)
+                _mm_prefetch((const char *)(k_cache + slots[l] * row + off) + b, _MM_HINT_T0);
+        for (int64_t l = l0; l < l0 + count; l++)
+            for (int64_t b = 0; b < 2 * hd; b += 64)
+                _mm_prefetch((const char *)(v_cache + slots[l] * row + off) + b, _MM_HINT_T1);
+        __m512 dots[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) {  /* past the last key, the last key again (masked off below) */
+            const uint16_t *k = k_cache + slots[l0 + (i < count ? i : count - 1)] * row + off;
+            __m512 dot = _mm512_setzero_ps();
+            for (int64_t c = 0; c < pairs; c++) {
+                __m512 even, odd;
+                split_bf16(k + 32 * c, &even, &odd);
+                dot = _mm512_fmadd_ps(qv[2 * c + 1], odd, _mm512_fmadd_ps(qv[2 * c], even, dot));
+            }
+            dots[i] = dot;
+        }
+        const __mmask16 keep = count == 16 ? 0xFFFF : (__mmask16)((1u << count) - 1);
+        const __m512 scores = _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(s + l0, keep, scores);
+        top = _mm512_mask_max_ps(top, keep, top, scores);
     }
+    const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
     __m512 total = _mm512_setzero_ps();
     for (int64_t l = 0; l < n; l += 16) {
         const __mmask16 keep = n - l >= 16 ? 0xFFFF : (__mmask16)((1u << (n - l)) - 1);
-        const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + l),
-                                                                      _mm512_set1_ps(top))));
+        const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + l), most)));
         _mm512_mask_storeu_ps(s + l, keep, e);
         total = _mm512_add_ps(total, e);
     }
-    __m512 acc[MAX_HEAD_DIM / 16];
-    for (int64_t j = 0; j < vecs; j++) acc[j] = _mm512_setzero_ps();
+    __m512 acc[2 * MAX_PAIRS];  /* even and odd elements of each 32 */
+    for (int64_t j = 0; j < 2 * pairs; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t l = 0; l < n; l++) {
-        const uint16_t *v = v_cache + (slots[l] * Hkv + kvh) * hd;
+        const uint16_t *v = v_cache + slots[l] * row + off;
         const __m512 p = _mm512_set1_ps(s[l]);
-        for (int64_t j = 0; j < vecs; j++) acc[j] = _mm512_fmadd_ps(p, bf16x16(v + 16 * j), acc[j]);
+        for (int64_t c = 0; c < pairs; c++) {
+            __m512 even, odd;
+            split_bf16(v + 32 * c, &even, &odd);
+            acc[2 * c] = _mm512_fmadd_ps(p, even, acc[2 * c]);
+            acc[2 * c + 1] = _mm512_fmadd_ps(p, odd, acc[2 * c + 1]);
+        }
     }
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-    for (int64_t j = 0; j < vecs; j++) store_bf16(out + 16 * j, _mm512_mul_ps(acc[j], inv));
+    for (int64_t c = 0; c < pairs; c++) {  /* back in order: element 2i in the low half of dword i */
+        const __m512i even = _mm512_castps_si512(round_bf16(_mm512_mul_ps(acc[2 * c], inv)));
+        const __m512i odd = _mm512_castps_si512(round_bf16(_mm512_mul_ps(acc[2 * c + 1], inv)));
+        _mm512_storeu_si512(out + 32 * c, _mm512_or_si512(odd, _mm512_srli_epi32(even, 16)));
+    }
+}
+
+/* attend() with hd fixed for the common head sizes. */
+static void attend_head(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *slots,
+                        int64_t n, int64_t Hkv, int64_t kvh, int64_t hd, float scale, float *s, uint16_t *out) {
+    const int64_t row = Hkv * hd, off = kvh * hd;
+    switch (hd) {
+        case 64: attend(q, k_cache, v_cache, slots, n, row, off, 64, scale, s, out); break;
+        case 128: attend(q, k_cache, v_cache, slots, n, row, off, 128, scale, s, out); break;
+        default: attend(q, k_cache, v_cache, slots, n, row, off, hd, scale, s, out); break;
+    }
 }
 
 static int shapes_ok(int64_t H, int64_t Hkv, int64_t hd) {
-    return hd % 16 == 0 && hd <= MAX_HEAD_DIM && Hkv > 0 && H % Hkv == 0;
+    return hd % 32 == 0 && hd <= MAX_HEAD_DIM && Hkv > 0 && H % Hkv == 0;
 }
 
 /* One query token per row d against its paged context: out[d, h] = softmax(scale q.K) V, in fp32.
  * q [D, H, hd] bf16 with rows `q_stride` apart; caches [slots, Hkv, hd] bf16; tables [D, W] block
- * ids; lens [D] context lengths; out [D, H, hd]. hd % 16 == 0, hd <= 256. */
+ * ids; lens [D] context lengths; out [D, H, hd]. hd % 32 == 0, hd <= 256. */
 int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int64_t *tables, int64_t width, const int32_t *lens, int64_t block_size, int64_t D,
                            int64_t H, int64_t Hkv, int64_t hd, float scale, uint16_t *out, int threads) {
@@ -161,11 +234,21 @@ int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
     for (int64_t d = 0; d < D; d++)
         for (int64_t l = 0; l < lens[d]; l++)
             slots[d * longest + l] = tables[d * width + l / block_size] * block_size + l % block_size;
+    /* A job is all heads of one sequence, or where that leaves too few jobs to keep every thread
+     * busy, a share of them (whole KV-head groups first). Within a job the heads of one KV head
+     * run together: the first reads the keys and values from memory, the others find them in
+     * cache; and the job reads whole cache rows, where jobs of one KV head each would split every
+     * row's cache lines between threads. At 16 sequences of 200 tokens reading is most of the time. */
+    int64_t shares = (2 * threads + D - 1) / D;
+    shares = shares < 1 ? 1 : shares > H ? H : shares;
+    const int64_t per_share = (H + shares - 1) / shares;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t job = 0; job < D * H; job++) {
-        const int64_t d = job / H, h = job % H;
-        attend(q + d * q_stride + h * hd, k_cache, v_cache, slots + d * longest, lens[d], Hkv, h / (H / Hkv), hd,
-               scale, scores + (int64_t)omp_get_thread_num() * (longest + 16), out + (d * H + h) * hd);
+    for (int64_t job = 0; job < D * shares; job++) {
+        const int64_t d = job / shares, first = job % shares * per_share;
+        const int64_t last = first + per_share < H ? first + per_share : H;
+        for (int64_t h = first; h < last; h++)
+            attend_head(q + d * q_stride + h * hd, k_cache, v_cache, slots + d * longest, lens[d], Hkv, h / (H / Hkv), hd,
+                        scale, scores + (int64_t)omp_get_thread_num() * (longest + 16), out + (d * H + h) * hd);
     }
     free(slots);
     free(scores);
@@ -184,7 +267,7 @@ int forge_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t 
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
     for (int64_t job = 0; job < L * H; job++) {
         const int64_t i = L - 1 - job / H, h = job % H;  /* longest rows first */
-        attend(q + i * q_stride + h * hd, k_cache, v_cache, slots, C - L + i + 1, Hkv, h / (H / Hkv), hd, scale,
+        attend_head(q + i * q_stride + h * hd, k_cache, v_cache, slots, C - L + i + 1, Hkv, h / (H / Hkv), hd, scale,
                scores + (int64_t)omp_get_thread_num() * (C + 16), out + (i * H + h) * hd);
     }
     free(scores);

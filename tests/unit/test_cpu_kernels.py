@@ -148,11 +148,16 @@ def test_rotary_in_place_matches_the_torch_rotation() -> None:
     assert torch.equal(qkv[:, 12 * 64:], v_before)  # the values beside it are untouched
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
-def test_decode_attention_matches_fp32_attention_over_the_paged_cache(heads: int, kv_heads: int) -> None:
+# Heads per KV head; head sizes with their own compiled loop (64, 128) and without (96); one to
+# five sequences, which the kernel splits between threads by sequence or by heads.
+@pytest.mark.parametrize("heads,kv_heads,hd,lens", [
+    (9, 3, 64, [1, 17, 100, 33]), (4, 4, 64, [1, 17, 100, 33]), (9, 3, 64, [250]), (8, 2, 128, [40, 7]),
+    (6, 2, 96, [16, 1, 33, 64, 5])])
+def test_decode_attention_matches_fp32_attention_over_the_paged_cache(heads: int, kv_heads: int, hd: int,
+                                                                      lens: list[int]) -> None:
     g = torch.Generator().manual_seed(heads)
-    bs, hd, lens = 16, 64, [1, 17, 100, 33]
-    num_blocks = 40
+    bs = 16
+    num_blocks = sum(-(-n // bs) for n in lens) + 3
     k_cache = torch.randn(num_blocks * bs, kv_heads, hd, generator=g).bfloat16()
     v_cache = torch.randn(num_blocks * bs, kv_heads, hd, generator=g).bfloat16()
     blocks = torch.randperm(num_blocks, generator=g).tolist()
