@@ -172,12 +172,16 @@ def linear(x: torch.Tensor, w: QuantWeight, levels: int = 2) -> torch.Tensor:
 # ---- the bf16 decode path's other ops: each one call instead of several torch ops ----
 
 def _bf16(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+    # A loop, not all() over a generator: this runs a few hundred times a decode step.
+    for t in tensors:
+        if t.dtype != torch.bfloat16 or not t.is_cpu:
+            return False
+    return True
 
 
 def norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """RMSNorm of an fp32 residual stream [T, D] with a bf16 weight."""
-    return (library() is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+    return (library() is not None and x.dtype == torch.float32 and x.is_cpu and x.dim() == 2
             and x.is_contiguous() and _bf16(weight) and x.shape[1] % 16 == 0)
 
 

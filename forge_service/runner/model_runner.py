@@ -118,7 +118,7 @@ class ModelRunner:
         # tables: the decode rows of the step's block tables (padded with 0). Keep only the blocks
         # that hold context: a table may already own a block for the next token.
         width = max(-(-c.end // self.block_size) for c in decodes)
-        tables = tables[:, :width]  # [D, W]
+        tables = tables[:, :width].contiguous()  # [D, W], as every layer's attention reads it
         lens = torch.tensor([c.end for c in decodes], dtype=torch.int32)
         mask = torch.arange(width * self.block_size).unsqueeze(0) < lens.unsqueeze(1)  # [D, Lmax]
         return tables, mask[:, None, None, :], lens
