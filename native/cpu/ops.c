@@ -1,4 +1,4 @@
-/* The bf16 decode path's elementwise ops and paged decode attention for the CPU backend (AVX-512).
+/* The bf16 path's elementwise ops and its paged attention (decode and prefill) for the CPU backend (AVX-512).
  *
  * At one token a step, each of these is a few microseconds of arithmetic behind tens of
  * microseconds of torch dispatch (an RMSNorm is eight torch ops, decode attention about fifteen);
@@ -235,7 +235,7 @@ int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
         for (int64_t l = 0; l < lens[d]; l++)
             slots[d * longest + l] = tables[d * width + l / block_size] * block_size + l % block_size;
     /* A job is all heads of one sequence, or where that leaves too few jobs to keep every thread
-     * busy, a share of them (whole KV-head groups first). Within a job the heads of one KV head
+     * busy, a run of consecutive heads of it. Within a job the heads of one KV head
      * run together: the first reads the keys and values from memory, the others find them in
      * cache; and the job reads whole cache rows, where jobs of one KV head each would split every
      * row's cache lines between threads. At 16 sequences of 200 tokens reading is most of the time. */
@@ -247,8 +247,9 @@ int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
         const int64_t d = job / shares, first = job % shares * per_share;
         const int64_t last = first + per_share < H ? first + per_share : H;
         for (int64_t h = first; h < last; h++)
-            attend_head(q + d * q_stride + h * hd, k_cache, v_cache, slots + d * longest, lens[d], Hkv, h / (H / Hkv), hd,
-                        scale, scores + (int64_t)omp_get_thread_num() * (longest + 16), out + (d * H + h) * hd);
+            attend_head(q + d * q_stride + h * hd, k_cache, v_cache, slots + d * longest, lens[d], Hkv,
+                        h / (H / Hkv), hd, scale, scores + (int64_t)omp_get_thread_num() * (longest + 16),
+                        out + (d * H + h) * hd);
     }
     free(slots);
     free(scores);
@@ -268,7 +269,7 @@ int forge_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t 
     for (int64_t job = 0; job < L * H; job++) {
         const int64_t i = L - 1 - job / H, h = job % H;  /* longest rows first */
         attend_head(q + i * q_stride + h * hd, k_cache, v_cache, slots, C - L + i + 1, Hkv, h / (H / Hkv), hd, scale,
-               scores + (int64_t)omp_get_thread_num() * (C + 16), out + (i * H + h) * hd);
+                    scores + (int64_t)omp_get_thread_num() * (C + 16), out + (i * H + h) * hd);
     }
     free(scores);
     return 0;
