@@ -30,6 +30,12 @@ CACHE_DIR = Path.home() / ".cache" / "forge" / "cpu"
 FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512dq", "-mf16c",
          "-mfma", "-fopenmp", "-shared", "-fPIC"]
 GROUP = 32  # inputs per scale
+# With two activation levels, the second covers only the groups that hold one of the row's large
+# values: amax > FINE_ABOVE x the row's RMS. The first level's rounding error is amax / 254 per
+# value, so these groups carry nearly all of it; in the default model's decode steps they are
+# about 12% of groups, and greedy tokens under teacher forcing flip no more often than with the
+# second level everywhere (see linear()).
+FINE_ABOVE = 5.0
 TILE = 16  # weight rows per tile
 
 
@@ -64,8 +70,8 @@ def library() -> ctypes.CDLL | None:
         log.info("this CPU lacks AVX-512 VNNI; using torch's kernels")
         return None
     i64, ptr, flag, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.forge_q4_linear.argtypes = [ptr, flag, i64, i64, i64, ptr, ptr, ptr, ptr, flag, flag, flag]
-    lib.forge_q8_linear.argtypes = [ptr, flag, i64, i64, i64, ptr, ptr, ptr, flag, flag, flag]
+    lib.forge_q4_linear.argtypes = [ptr, flag, i64, i64, i64, ptr, ptr, ptr, ptr, flag, flag, f32, flag]
+    lib.forge_q8_linear.argtypes = [ptr, flag, i64, i64, i64, ptr, ptr, ptr, flag, flag, f32, flag]
     lib.forge_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
     lib.forge_silu_mul.argtypes = [ptr, ptr, i64, i64]
     lib.forge_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
@@ -147,19 +153,27 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     return (codes.view(n, groups, GROUP) * scale[..., None] + offset[..., None]).view(n, k)
 
 
-def linear(x: torch.Tensor, w: QuantWeight, levels: int = 2) -> torch.Tensor:
-    """x [M, K] (bf16 or fp32) @ w.T -> [M, N] in x's dtype, x quantised to `levels` int8 levels per
-    group: two are about as exact as bf16 activations, one is twice as fast and coarser."""
+def linear(x: torch.Tensor, w: QuantWeight, levels: int = 2, fine_above: float = FINE_ABOVE) -> torch.Tensor:
+    """x [M, K] (bf16 or fp32) @ w.T -> [M, N] in x's dtype, x quantised to int8 per group of 32.
+
+    levels=1: one level, coarse where a group holds a large value. levels=2: a second level, carrying
+    the first one's rounding error, in the groups whose largest value passes `fine_above` x the
+    row's RMS (0: every group, as exact as bf16 activations and half as fast). Measured on the
+    default model's layers against fp32 along 805 teacher-forced greedy positions: KL 3.7e-4 and 11
+    top-token flips with the second level everywhere, 7.9e-4 and 11 at 5.0, 2.7e-3 and 22 with one
+    level; the bf16 GEMM gives 3.9e-4 and 8."""
     if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"expected a bf16 or fp32 input [M, {w.shape[1]}], got {x.dtype} {tuple(x.shape)}")
     if levels not in (1, 2):
         raise ValueError(f"activations take 1 or 2 int8 levels, not {levels}")
+    if not fine_above >= 0:
+        raise ValueError(f"fine_above must be 0 or more, not {fine_above}")
     x = x.contiguous()
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
     lib = library()
     common = (x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], w.shape[1], w.shape[0], w.codes.data_ptr(),
               w.scale.data_ptr())
-    tail = (out.data_ptr(), out.dtype == torch.bfloat16, levels, torch.get_num_threads())
+    tail = (out.data_ptr(), out.dtype == torch.bfloat16, levels, fine_above, torch.get_num_threads())
     if w.offset is not None:
         status = lib.forge_q4_linear(*common, w.offset.data_ptr(), *tail)
     else:

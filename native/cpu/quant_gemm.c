@@ -12,6 +12,15 @@
  *   x[m, k] ~ (a[m, k] + f[m, k] / 254) * xd[m, g]     a, f in -127..127
  *   y[m, n] = sum_g wd xd sum_k(code (a + f / 254)) + wm xd sum_k(a + f / 254)
  *
+ * The first level's error in a group is up to amax / 254 per value, so nearly all of it sits in
+ * the few groups that hold one of the row's large values (a model's activations have a handful of
+ * channels far above the rest). The second level is kept for those groups only, f = 0 elsewhere:
+ * about one group in eight on the default model's decode steps (see FINE_ABOVE in cpu_kernels.py
+ * for what that costs in fidelity: top tokens flip no more often than with it everywhere).
+ * Rows go through a tile in blocks of 4; the first level runs over every group, then the second
+ * over the groups that some row of the block needs (a row's zero second level adds exact zeros,
+ * so its result does not depend on the rows batched with it).
+ *
  * Layout: weight rows in tiles of 16, so that the 16 int32 lanes of a VNNI product are 16 output
  * columns and nothing needs a horizontal sum. For each tile and group, a run of 64-byte vectors
  * holds chunk c (inputs 4c .. 4c + 3 of the group) of all 16 rows: lane j = row j's 4 codes.
@@ -48,35 +57,60 @@ static inline __m512 load16(const void *x, int bf16, int64_t at) {
 }
 
 /* x [M, K] (bf16 or fp32) -> int8 levels a [levels][M, K] with x ~ xd (a0 + a1 / 254), scales xd and
- * xs = xd * sum(a0 + a1 / 254) [M, K / 32]. The second level carries the first one's rounding error,
- * so the product is as exact as with 16-bit activations at half int8 speed. */
-static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int levels, int8_t *a, float *xd,
-                          float *xs) {
+ * xs = xd * sum(a0 + a1 / 254) [M, K / 32]. The second level carries the first one's rounding error
+ * in the groups that hold one of the row's large values (amax > fine_above * the row's RMS; all
+ * groups when fine_above is 0) and is zero elsewhere. fine[b] lists, in order, the groups where some
+ * row of block b (rows ROWS b ..) has a second level; returns the total length of the lists. */
+static int64_t quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int levels, float fine_above,
+                             int8_t *a, float *xd, float *xs, int32_t *fine, int32_t *fine_count) {
     const int64_t groups = K / GROUP;
     const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
+    int64_t total = 0;
+    memset(fine_count, 0, ((M + ROWS - 1) / ROWS) * sizeof(int32_t));
     for (int64_t m = 0; m < M; m++) {
+        __m512 squares = _mm512_setzero_ps();
+        for (int64_t at = m * K; at < (m + 1) * K; at += 16) {
+            const __m512 v = load16(x, x_bf16, at);
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        const float mean_square = _mm512_reduce_add_ps(squares) / (float)K;
+        const int64_t block = m / ROWS;
+        int32_t *list = fine + block * groups;
         for (int64_t g = 0; g < groups; g++) {
             const int64_t at = m * K + g * GROUP;
             const __m512 v[2] = {load16(x, x_bf16, at), load16(x, x_bf16, at + 16)};
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+            const int second = levels == 2 && amax * amax > fine_above * fine_above * mean_square;
             const float d = amax / 127.0f;
             const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-            __m512 total = _mm512_setzero_ps();
+            __m512 total_levels = _mm512_setzero_ps();
             for (int h = 0; h < 2; h++) {
                 const __m512 scaled = _mm512_mul_ps(v[h], inv);  /* in units of d */
                 const __m512i q0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(scaled), hi), lo);
                 const __m512 rest = _mm512_mul_ps(_mm512_sub_ps(scaled, _mm512_cvtepi32_ps(q0)), _mm512_set1_ps(254.0f));
-                const __m512i q1 = levels == 2 ? _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(rest), hi), lo)
-                                               : _mm512_setzero_si512();
-                total = _mm512_add_ps(total, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), _mm512_set1_ps(1.0f / 254.0f),
-                                                             _mm512_cvtepi32_ps(q0)));
+                const __m512i q1 = second ? _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(rest), hi), lo)
+                                          : _mm512_setzero_si512();
+                total_levels = _mm512_add_ps(total_levels, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1),
+                                                                           _mm512_set1_ps(1.0f / 254.0f),
+                                                                           _mm512_cvtepi32_ps(q0)));
                 _mm_storeu_si128((__m128i *)(a + at + 16 * h), _mm512_cvtepi32_epi8(q0));
                 if (levels == 2) _mm_storeu_si128((__m128i *)(a + M * K + at + 16 * h), _mm512_cvtepi32_epi8(q1));
             }
             xd[m * groups + g] = d;
-            xs[m * groups + g] = d * _mm512_reduce_add_ps(total);
+            xs[m * groups + g] = d * _mm512_reduce_add_ps(total_levels);
+            if (second) {  /* insert g into the block's sorted list unless a row before has put it there */
+                int32_t n = fine_count[block], i = n;
+                while (i > 0 && list[i - 1] > g) i--;
+                if (i == 0 || list[i - 1] != g) {
+                    memmove(list + i + 1, list + i, (n - i) * sizeof(int32_t));
+                    list[i] = (int32_t)g;
+                    fine_count[block] = n + 1;
+                    total++;
+                }
+            }
         }
     }
+    return total;
 }
 
 static inline __m512 halves(const uint16_t *p) {  /* 16 fp16 -> fp32 */
@@ -95,101 +129,125 @@ static inline void store16(void *out, int out_bf16, int64_t at, __m512 y) {
     _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
 
-/* One tile of 16 weight rows against activation rows m0 .. m0 + R - 1 -> y[R][16]. R is a
- * constant once inlined, so every accumulator stays in a register. */
-static inline __attribute__((always_inline)) void tile(int q4, int fine, const uint8_t *codes, const uint16_t *wd16,
+/* The 16 weight rows of a tile in group g as 8 vectors of 4 codes per int32 lane. */
+static inline __attribute__((always_inline)) void unpack(int q4, const uint8_t *w, __m512i *chunk) {
+    if (q4) {
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512(w + 64 * c);
+            chunk[c] = _mm512_and_si512(v, low);
+            chunk[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+    } else {
+        for (int c = 0; c < 8; c++) chunk[c] = _mm512_loadu_si512(w + 64 * c);
+    }
+}
+
+static inline __m512i dot8(const __m512i *chunk, const int8_t *x) {  /* one activation row's group */
+    const int32_t *xa = (const int32_t *)x;
+    __m512i dot = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c++) dot = _mm512_dpbusd_epi32(dot, chunk[c], _mm512_set1_epi32(xa[c]));
+    return dot;
+}
+
+/* One tile of 16 weight rows against activation rows m0 .. m0 + R - 1 -> y[R][16]: the first level
+ * over every group, then the second over the groups in the block's list. q4 and R are literal
+ * constants at each call, so every accumulator stays in a register. */
+static inline __attribute__((always_inline)) void tile(int q4, const uint8_t *codes, const uint16_t *wd16,
                                                        const uint16_t *wm16, const int8_t *a, const int8_t *a_fine,
-                                                       const float *xd, const float *xs, int64_t K, int64_t m0,
-                                                       const int R, __m512 *y) {
+                                                       const float *xd, const float *xs, const int32_t *fine,
+                                                       int32_t fine_count, int64_t K, int64_t m0, const int R,
+                                                       __m512 *y) {
     const int64_t groups = K / GROUP, group_bytes = q4 ? TILE * GROUP / 2 : TILE * GROUP;
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512i chunk[8];
+#pragma GCC unroll 4
     for (int i = 0; i < R; i++) y[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *w = codes + g * group_bytes;
-        __m512i chunk[8];
-        if (q4) {
-            for (int c = 0; c < 4; c++) {
-                const __m512i v = _mm512_loadu_si512(w + 64 * c);
-                chunk[c] = _mm512_and_si512(v, low);
-                chunk[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            }
-        } else {
-            for (int c = 0; c < 8; c++) chunk[c] = _mm512_loadu_si512(w + 64 * c);
-        }
+        unpack(q4, codes + g * group_bytes, chunk);
         const __m512 wd = halves(wd16 + g * TILE);
         const __m512 wm = q4 ? halves(wm16 + g * TILE) : _mm512_mul_ps(wd, _mm512_set1_ps(-128.0f));
+#pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
             const int64_t m = m0 + i;
-            const int32_t *xa = (const int32_t *)(a + m * K + g * GROUP);
-            __m512i dot = _mm512_setzero_si512(), dot_fine = _mm512_setzero_si512();
-            for (int c = 0; c < 8; c++) dot = _mm512_dpbusd_epi32(dot, chunk[c], _mm512_set1_epi32(xa[c]));
-            __m512 sum = _mm512_cvtepi32_ps(dot);
-            if (fine) {
-                const int32_t *xr = (const int32_t *)(a_fine + m * K + g * GROUP);
-                for (int c = 0; c < 8; c++) dot_fine = _mm512_dpbusd_epi32(dot_fine, chunk[c], _mm512_set1_epi32(xr[c]));
-                sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_fine), _mm512_set1_ps(1.0f / 254.0f), sum);
-            }
-            const __m512 scale = _mm512_mul_ps(wd, _mm512_set1_ps(xd[m * groups + g]));
-            y[i] = _mm512_fmadd_ps(sum, scale, y[i]);
+            const __m512 sum = _mm512_cvtepi32_ps(dot8(chunk, a + m * K + g * GROUP));
+            y[i] = _mm512_fmadd_ps(sum, _mm512_mul_ps(wd, _mm512_set1_ps(xd[m * groups + g])), y[i]);
             y[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xs[m * groups + g]), y[i]);
+        }
+    }
+    for (int32_t j = 0; j < fine_count; j++) {
+        const int64_t g = fine[j];
+        unpack(q4, codes + g * group_bytes, chunk);
+        const __m512 wd = halves(wd16 + g * TILE);
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            const int64_t m = m0 + i;
+            const __m512 sum = _mm512_cvtepi32_ps(dot8(chunk, a_fine + m * K + g * GROUP));
+            const __m512 scale = _mm512_mul_ps(wd, _mm512_set1_ps(xd[m * groups + g] * (1.0f / 254.0f)));
+            y[i] = _mm512_fmadd_ps(sum, scale, y[i]);
         }
     }
 }
 
-static inline __attribute__((always_inline)) void run(int q4, int fine, const uint8_t *codes, const uint16_t *wd16,
-                                                      const uint16_t *wm16, const int8_t *a, const float *xd,
-                                                      const float *xs, int64_t M, int64_t K, int64_t N,
-                                                      void *out, int out_bf16, int threads) {
+/* Tile t against every activation row. q4 is a literal constant at each call. */
+static inline __attribute__((always_inline)) void tile_rows(int q4, int64_t t, const uint8_t *codes,
+                                                            const uint16_t *wd16, const uint16_t *wm16,
+                                                            const int8_t *a, const float *xd, const float *xs,
+                                                            const int32_t *fine, const int32_t *fine_count,
+                                                            int64_t M, int64_t K, int64_t N, void *out,
+                                                            int out_bf16) {
     const int64_t groups = K / GROUP, tile_bytes = (q4 ? K / 2 : K) * TILE;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < N / TILE; t++) {
-        const uint8_t *w = codes + t * tile_bytes;
-        const uint16_t *d = wd16 + t * groups * TILE, *o = q4 ? wm16 + t * groups * TILE : NULL;
-        __m512 y[ROWS];
-        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
-            const int64_t rows = M - m0 < ROWS ? M - m0 : ROWS;
-            switch (rows) {
-                case 1: tile(q4, fine, w, d, o, a, a + M * K, xd, xs, K, m0, 1, y); break;
-                case 2: tile(q4, fine, w, d, o, a, a + M * K, xd, xs, K, m0, 2, y); break;
-                case 3: tile(q4, fine, w, d, o, a, a + M * K, xd, xs, K, m0, 3, y); break;
-                default: tile(q4, fine, w, d, o, a, a + M * K, xd, xs, K, m0, 4, y); break;
-            }
-            for (int64_t i = 0; i < rows; i++) store16(out, out_bf16, (m0 + i) * N + t * TILE, y[i]);
+    const uint8_t *w = codes + t * tile_bytes;
+    const uint16_t *d = wd16 + t * groups * TILE, *o = q4 ? wm16 + t * groups * TILE : NULL;
+    __m512 y[ROWS];
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+        const int64_t rows = M - m0 < ROWS ? M - m0 : ROWS, b = m0 / ROWS;
+        const int32_t *list = fine + b * groups;
+        switch (rows) {
+            case 1: tile(q4, w, d, o, a, a + M * K, xd, xs, list, fine_count[b], K, m0, 1, y); break;
+            case 2: tile(q4, w, d, o, a, a + M * K, xd, xs, list, fine_count[b], K, m0, 2, y); break;
+            case 3: tile(q4, w, d, o, a, a + M * K, xd, xs, list, fine_count[b], K, m0, 3, y); break;
+            default: tile(q4, w, d, o, a, a + M * K, xd, xs, list, fine_count[b], K, m0, 4, y); break;
         }
+        for (int64_t i = 0; i < rows; i++) store16(out, out_bf16, (m0 + i) * N + t * TILE, y[i]);
     }
 }
 
 static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
-                  const uint16_t *wd16, const uint16_t *wm16, void *out, int out_bf16, int levels, int threads) {
-    if (M < 1 || N < TILE || N % TILE || K < GROUP || K % GROUP || levels < 1 || levels > 2) return BAD_SHAPE;
-    const int64_t groups = K / GROUP;
-    int8_t *a = malloc(levels * M * K + 2 * M * groups * sizeof(float));
+                  const uint16_t *wd16, const uint16_t *wm16, void *out, int out_bf16, int levels,
+                  float fine_above, int threads) {
+    if (M < 1 || N < TILE || N % TILE || K < GROUP || K % GROUP || levels < 1 || levels > 2 || !(fine_above >= 0))
+        return BAD_SHAPE;
+    const int64_t groups = K / GROUP, blocks = (M + ROWS - 1) / ROWS;
+    int8_t *a = malloc(levels * M * K + 2 * M * groups * sizeof(float) + (blocks * groups + blocks) * sizeof(int32_t));
     if (!a) return NO_MEMORY;
     float *xd = (float *)(a + levels * M * K), *xs = xd + M * groups;
-    quantize_rows(x, x_bf16, M, K, levels, a, xd, xs);
-    /* constant flags, so that each combination compiles to its own loop */
-    if (q4 && levels == 2)
-        run(1, 1, codes, wd16, wm16, a, xd, xs, M, K, N, out, out_bf16, threads);
-    else if (q4)
-        run(1, 0, codes, wd16, wm16, a, xd, xs, M, K, N, out, out_bf16, threads);
-    else if (levels == 2)
-        run(0, 1, codes, wd16, NULL, a, xd, xs, M, K, N, out, out_bf16, threads);
-    else
-        run(0, 0, codes, wd16, NULL, a, xd, xs, M, K, N, out, out_bf16, threads);
+    int32_t *fine = (int32_t *)(xs + M * groups), *fine_count = fine + blocks * groups;
+    quantize_rows(x, x_bf16, M, K, levels, fine_above, a, xd, xs, fine, fine_count);
+    /* q4 is tested inside the parallel loop: OpenMP moves its body into a function of its own that
+     * receives captured values at run time, so a test outside would leave it a variable there. */
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < N / TILE; t++) {
+        if (q4)
+            tile_rows(1, t, codes, wd16, wm16, a, xd, xs, fine, fine_count, M, K, N, out, out_bf16);
+        else
+            tile_rows(0, t, codes, wd16, NULL, a, xd, xs, fine, fine_count, M, K, N, out, out_bf16);
+    }
     free(a);
     return OK;
 }
 
 /* y[M, N] = x[M, K] @ w[N, K].T, w in the q4 layout (codes [N / 16][K / 32][256] bytes, wd16 and
  * wm16 fp16 [N / 16][K / 32][16]). x and y are bf16 when the flags say so, fp32 otherwise; x is
- * quantised to `levels` (1 or 2) int8 levels; `threads` OpenMP threads. */
+ * quantised to one int8 level, or with levels = 2 to a second one in its outlier groups (see
+ * quantize_rows); `threads` OpenMP threads. */
 int forge_q4_linear(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
-                    const uint16_t *wd16, const uint16_t *wm16, void *out, int out_bf16, int levels, int threads) {
-    return linear(1, x, x_bf16, M, K, N, codes, wd16, wm16, out, out_bf16, levels, threads);
+                    const uint16_t *wd16, const uint16_t *wm16, void *out, int out_bf16, int levels,
+                    float fine_above, int threads) {
+    return linear(1, x, x_bf16, M, K, N, codes, wd16, wm16, out, out_bf16, levels, fine_above, threads);
 }
 
 /* As forge_q4_linear, w in the q8 layout (codes [N / 16][K / 32][512] bytes, wd16). */
 int forge_q8_linear(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
-                    const uint16_t *wd16, void *out, int out_bf16, int levels, int threads) {
-    return linear(0, x, x_bf16, M, K, N, codes, wd16, NULL, out, out_bf16, levels, threads);
+                    const uint16_t *wd16, void *out, int out_bf16, int levels, float fine_above, int threads) {
+    return linear(0, x, x_bf16, M, K, N, codes, wd16, NULL, out, out_bf16, levels, fine_above, threads);
 }
