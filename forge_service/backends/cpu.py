@@ -51,6 +51,24 @@ class CpuBackend:
         return layer(x)  # the dense GEMM, or a small batch's 4-bit / int8 kernel
 
     @staticmethod
+    def decode_plan(layers: list, arch: Any, scale: float) -> cpu_kernels.DecodePlan | None:
+        """Every layer of a decode step in one native call, where the kernels serve each part of
+        these layers (bf16, every projection in a native 4-bit or int8 form); None elsewhere."""
+        from forge_service.layers.linear import NATIVE_MAX_ROWS
+
+        names = ("qkv", "o_proj", "gate_up", "down")
+        if any(getattr(layer, name).native is None for layer in layers for name in names):
+            return None
+        plan = [cpu_kernels.DecodeLayer(layer.input_norm, layer.post_norm,
+                                        *((getattr(layer, n).native, getattr(layer, n).levels) for n in names))
+                for layer in layers]
+        if (arch.hidden_size % 16 or arch.intermediate_size % 16
+                or not cpu_kernels.DecodePlan.supported(plan, arch.head_dim)):
+            return None
+        return cpu_kernels.DecodePlan(plan, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                                      arch.intermediate_size, arch.rms_norm_eps, scale, NATIVE_MAX_ROWS)
+
+    @staticmethod
     def rotary_tables(rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> Any:
         return rope.tables(positions, dtype)  # cos, sin: [T, 1, hd], shared by every layer of a step
 

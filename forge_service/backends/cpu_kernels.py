@@ -77,7 +77,9 @@ def library() -> ctypes.CDLL | None:
     lib.forge_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
     lib.forge_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr, flag]
     lib.forge_prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, flag]
-    for name in ("forge_q4_linear", "forge_q8_linear", "forge_decode_attention", "forge_prefill_attention"):
+    lib.forge_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, flag]
+    for name in ("forge_q4_linear", "forge_q8_linear", "forge_decode_attention", "forge_prefill_attention",
+                 "forge_decode_layers"):
         getattr(lib, name).restype = ctypes.c_int
     lib.forge_add_rms_norm.restype = lib.forge_silu_mul.restype = lib.forge_rotary.restype = None
     return lib
@@ -274,3 +276,95 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def _status(code: int) -> None:
     if code:
         raise ValueError(f"attention refused its shapes (status {code})")
+
+
+# ---- a whole bf16 decode step's layers in one call (native/cpu/decode.c) ----
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("offset", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("levels", ctypes.c_int32),
+                ("fine_above", ctypes.c_float)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Weight), ("o", _Weight),
+                ("gate_up", _Weight), ("down", _Weight), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("block_size", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+@dataclass
+class DecodeLayer:
+    """One decoder layer's weights as the fused decode call takes them: bf16 norms and each
+    projection in the native layout with its activation levels."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: tuple[QuantWeight, int]  # (weight, levels)
+    o: tuple[QuantWeight, int]
+    gate_up: tuple[QuantWeight, int]
+    down: tuple[QuantWeight, int]
+
+
+class DecodePlan:
+    """Runs every layer of a decode step in one native call: the per-kernel path's kernels, in its
+    order and with its arguments (so the same bits), without ~11 Python round trips per layer."""
+
+    def __init__(self, layers: list[DecodeLayer], hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float, scale: float, max_rows: int) -> None:
+        self.layers = layers  # keeps the weights the structs point at alive
+        self.max_rows = max_rows
+        self.head_dim = head_dim
+        self.dims = _Dims(hidden, heads, kv_heads, head_dim, intermediate, 0, eps, scale)
+        self.table = (_Layer * len(layers))()
+        for row, layer in zip(self.table, layers):
+            row.input_norm = layer.input_norm.data_ptr()
+            row.post_norm = layer.post_norm.data_ptr()
+            for name in ("qkv", "o", "gate_up", "down"):
+                w, levels = getattr(layer, name)
+                setattr(row, name, _Weight(w.codes.data_ptr(), w.scale.data_ptr(),
+                                           None if w.offset is None else w.offset.data_ptr(), w.shape[0],
+                                           w.shape[1], levels, FINE_ABOVE))
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @staticmethod
+    def supported(layers: list[DecodeLayer], head_dim: int) -> bool:
+        return (library() is not None and head_dim % 32 == 0 and head_dim <= 256
+                and all(_bf16(layer.input_norm, layer.post_norm) for layer in layers))
+
+    def takes(self, meta, tokens: int) -> bool:
+        """Whether this step is one the plan runs: decode tokens only, as many as the native GEMMs
+        take (the per-kernel path switches to the dense GEMM above that)."""
+        return (meta.num_decode_tokens == tokens and not meta.prefills and meta.decode_lens is not None
+                and tokens <= self.max_rows)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
+        """x [T, D] fp32 embeddings, updated in place; cos, sin [T, 1, hd] bf16 -> the last layer's
+        MLP output [T, D] bf16, still to be added to x."""
+        if not _bf16(cos, sin):
+            raise ValueError("the fused decode takes bf16 rotary tables")
+        if kv_caches is not self._caches:
+            for row, (k_cache, v_cache) in zip(self.table, kv_caches):
+                if not (_bf16(k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()):
+                    raise ValueError("the fused decode takes contiguous bf16 caches")
+                row.k_cache, row.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            self._caches = kv_caches
+        self.dims.block_size = meta.block_size
+        t = x.shape[0]
+        delta = torch.empty(t, x.shape[1], dtype=torch.bfloat16)
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        tables = meta.decode_block_tables.to(torch.int64).contiguous()
+        lens = meta.decode_lens.to(torch.int32).contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        status = library().forge_decode_layers(
+            ctypes.byref(self.table), len(self.layers), ctypes.byref(self.dims), x.data_ptr(), delta.data_ptr(), t,
+            slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+            torch.get_num_threads())
+        if status:
+            raise ValueError({1: "unsupported shapes", 2: "out of memory"}.get(status, f"status {status}"))
+        return delta

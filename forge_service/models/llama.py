@@ -42,6 +42,9 @@ class LlamaModel:
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                       arch.rope_scaling, weights.get("model.rope_freq_factors"))
         self.scale = arch.head_dim ** -0.5
+        # The CPU backend runs a whole decode step's layers in one native call where it can.
+        plan = getattr(backend, "decode_plan", None)
+        self.decode_plan = plan(self.layers, arch, self.scale) if plan is not None else None
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], int4: dict[str, Int4Weight], i: int) -> LlamaLayer:
@@ -72,11 +75,14 @@ class LlamaModel:
         # outputs much closer to fp32 at the cost of two casts per layer.
         x = self.embed[input_ids].float()  # [T, D]
         rope = self.backend.rotary_tables(self.rotary, positions, self.dtype)
-        delta = None  # the last sublayer's output, added to x by the next norm (fused on GPU)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = self._add_norm(x, delta, layer.input_norm)
-            delta = self._attention(layer, h, rope, k_cache, v_cache, meta)
-            delta = self._mlp(layer, self._add_norm(x, delta, layer.post_norm))
+        if self.decode_plan is not None and self.decode_plan.takes(meta, x.shape[0]):
+            delta = self.decode_plan(x, *rope, kv_caches, meta)  # the loop below, in one native call
+        else:
+            delta = None  # the last sublayer's output, added to x by the next norm (fused on GPU)
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                h = self._add_norm(x, delta, layer.input_norm)
+                delta = self._attention(layer, h, rope, k_cache, v_cache, meta)
+                delta = self._mlp(layer, self._add_norm(x, delta, layer.post_norm))
         rows = x[logits_indices] if delta is None else x[logits_indices] + delta[logits_indices]
         h = self.backend.rms_norm(rows, self.norm.float(), self.arch.rms_norm_eps)  # [N, D] fp32
         logits = self.backend.linear(h.to(self.dtype), self.lm_head).float()  # [N, V]

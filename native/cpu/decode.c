@@ -1,0 +1,99 @@
+/* Every decoder layer of a bf16 decode step in one call, for the CPU backend.
+ *
+ * A decode step runs eleven kernels per layer. Called one at a time from Python, each costs
+ * 10-20 us of interpreter, ctypes and tensor allocation on top of its own work: about 5 ms a step
+ * on the default model's 30 layers, half of a one-sequence step. This file runs the same kernels in
+ * the same order, with the same arguments, so its results equal the per-kernel path's bit for bit:
+ *
+ *   h = norm(x += delta); qkv = h Wqkv; rotate q, k; cache k, v; o = attention(q); delta = o Wo
+ *   h = norm(x += delta); delta = (silu(h Wgate) * h Wup) Wdown
+ *
+ * Layouts are those of forge_service/backends/cpu.py: x [T, D] fp32 residual stream; the fused
+ * projection's rows are q (H heads), k (Hkv), v (Hkv); caches [slots, Hkv, hd] bf16.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int forge_q4_linear(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
+                    const uint16_t *wd16, const uint16_t *wm16, void *out, int out_bf16, int levels,
+                    float fine_above, int threads);
+int forge_q8_linear(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
+                    const uint16_t *wd16, void *out, int out_bf16, int levels, float fine_above, int threads);
+void forge_add_rms_norm(float *residual, const uint16_t *delta, const uint16_t *weight, uint16_t *out, int64_t T,
+                        int64_t D, float eps);
+void forge_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t F);
+void forge_rotary(uint16_t *x, int64_t T, int64_t heads, int64_t hd, int64_t stride, const uint16_t *cos,
+                  const uint16_t *sin);
+int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                           const int64_t *tables, int64_t width, const int32_t *lens, int64_t block_size, int64_t D,
+                           int64_t H, int64_t Hkv, int64_t hd, float scale, uint16_t *out, int threads);
+
+typedef struct {  /* a weight in the quant_gemm.c layout; offset is NULL for q8 */
+    const uint8_t *codes;
+    const uint16_t *scale, *offset;
+    int64_t n, k;
+    int32_t levels;
+    float fine_above;
+} forge_weight;
+
+typedef struct {
+    const uint16_t *input_norm, *post_norm;  /* bf16 [D] */
+    forge_weight qkv, o, gate_up, down;
+    uint16_t *k_cache, *v_cache;
+} forge_layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+} forge_dims;
+
+enum { OK = 0, BAD_SHAPE = 1, NO_MEMORY = 2 };
+
+static int project(const forge_weight *w, const uint16_t *x, int64_t T, uint16_t *out, int threads) {
+    if (w->offset)
+        return forge_q4_linear(x, 1, T, w->k, w->n, w->codes, w->scale, w->offset, out, 1, w->levels,
+                               w->fine_above, threads);
+    return forge_q8_linear(x, 1, T, w->k, w->n, w->codes, w->scale, out, 1, w->levels, w->fine_above, threads);
+}
+
+/* T decode tokens, one per sequence, through `count` layers. x [T, hidden] fp32, the embeddings,
+ * is updated in place; delta [T, hidden] bf16 is the last layer's MLP output on return, still to be
+ * added to x. slots [T]: each token's cache slot; cos, sin [T, head_dim] bf16; tables [T, width]
+ * block ids and lens [T] context lengths (this token included). */
+int forge_decode_layers(const forge_layer *layers, int64_t count, const forge_dims *dims, float *x, uint16_t *delta,
+                        int64_t T, const int64_t *slots, const uint16_t *cos, const uint16_t *sin,
+                        const int64_t *tables, int64_t width, const int32_t *lens, int threads) {
+    const int64_t D = dims->hidden, H = dims->heads, Hkv = dims->kv_heads, hd = dims->head_dim;
+    const int64_t F = dims->intermediate, Nqkv = (H + 2 * Hkv) * hd, kv = Hkv * hd;
+    for (int64_t l = 0; l < count; l++) {
+        const forge_layer *p = layers + l;
+        if (p->qkv.n != Nqkv || p->qkv.k != D || p->o.n != D || p->o.k != H * hd || p->gate_up.n != 2 * F ||
+            p->gate_up.k != D || p->down.n != D || p->down.k != F)
+            return BAD_SHAPE;
+    }
+    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(T * (D + Nqkv + H * hd + 3 * F)));
+    if (!h) return NO_MEMORY;
+    uint16_t *qkv = h + T * D, *attn = qkv + T * Nqkv, *gate_up = attn + T * H * hd, *act = gate_up + T * 2 * F;
+    int status = OK;
+    for (int64_t l = 0; l < count && status == OK; l++) {
+        const forge_layer *p = layers + l;
+        forge_add_rms_norm(x, l > 0 ? delta : NULL, p->input_norm, h, T, D, dims->eps);
+        if ((status = project(&p->qkv, h, T, qkv, threads))) break;
+        forge_rotary(qkv, T, H + Hkv, hd, Nqkv, cos, sin);
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(p->k_cache + slots[t] * kv, qkv + t * Nqkv + H * hd, sizeof(uint16_t) * (size_t)kv);
+            memcpy(p->v_cache + slots[t] * kv, qkv + t * Nqkv + (H + Hkv) * hd, sizeof(uint16_t) * (size_t)kv);
+        }
+        if ((status = forge_decode_attention(qkv, Nqkv, p->k_cache, p->v_cache, tables, width, lens,
+                                             dims->block_size, T, H, Hkv, hd, dims->scale, attn, threads)))
+            break;
+        if ((status = project(&p->o, attn, T, delta, threads))) break;
+        forge_add_rms_norm(x, delta, p->post_norm, h, T, D, dims->eps);
+        if ((status = project(&p->gate_up, h, T, gate_up, threads))) break;
+        forge_silu_mul(gate_up, act, T, F);
+        status = project(&p->down, act, T, delta, threads);
+    }
+    free(h);
+    return status;
+}
