@@ -15,7 +15,7 @@
  * The first level's error in a group is up to amax / 254 per value, so nearly all of it sits in
  * the few groups that hold one of the row's large values (a model's activations have a handful of
  * channels far above the rest). The second level is kept for those groups only, f = 0 elsewhere:
- * about one group in eight on the default model's decode steps (see FINE_ABOVE in cpu_kernels.py
+ * about one group in five on the default model's decode steps (see FINE_ABOVE in cpu_kernels.py
  * for what that costs in fidelity: top tokens flip no more often than with it everywhere).
  * Rows go through a tile in blocks of 4; the first level runs over every group, then the second
  * over the groups that some row of the block needs (a row's zero second level adds exact zeros,
