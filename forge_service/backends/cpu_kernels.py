@@ -71,9 +71,9 @@ def library() -> ctypes.CDLL | None:
     i64, ptr, flag, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.forge_q4_linear.argtypes = [ptr, flag, i64, i64, i64, ptr, ptr, ptr, ptr, flag, flag, f32, flag]
     lib.forge_q8_linear.argtypes = [ptr, flag, i64, i64, i64, ptr, ptr, ptr, flag, flag, f32, flag]
-    lib.forge_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
-    lib.forge_silu_mul.argtypes = [ptr, ptr, i64, i64]
-    lib.forge_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
+    lib.forge_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, flag]
+    lib.forge_silu_mul.argtypes = [ptr, ptr, i64, i64, flag]
+    lib.forge_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, flag]
     lib.forge_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr, flag]
     lib.forge_prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, flag]
     lib.forge_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, flag]
@@ -212,7 +212,7 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
         delta = delta.contiguous()
         assert delta.shape == residual.shape and _bf16(delta)
     library().forge_add_rms_norm(residual.data_ptr(), None if delta is None else delta.data_ptr(),
-                                 weight.contiguous().data_ptr(), out.data_ptr(), t, d, eps)
+                                 weight.contiguous().data_ptr(), out.data_ptr(), t, d, eps, torch.get_num_threads())
     return out
 
 
@@ -225,7 +225,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     t, f = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(t, f, dtype=torch.bfloat16)
-    library().forge_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, f)
+    library().forge_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, f, torch.get_num_threads())
     return out
 
 
@@ -239,7 +239,8 @@ def rotary_supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> b
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate x [T, heads, hd] in place by the tables cos, sin [T, 1, hd]."""
     t, heads, hd = x.shape
-    library().forge_rotary(x.data_ptr(), t, heads, hd, x.stride(0), cos.data_ptr(), sin.data_ptr())
+    library().forge_rotary(x.data_ptr(), t, heads, hd, x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                           torch.get_num_threads())
 
 
 def attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -21,10 +21,10 @@ int forge_q4_linear(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, 
 int forge_q8_linear(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
                     const uint16_t *wd16, void *out, int out_bf16, int levels, float fine_above, int threads);
 void forge_add_rms_norm(float *residual, const uint16_t *delta, const uint16_t *weight, uint16_t *out, int64_t T,
-                        int64_t D, float eps);
-void forge_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t F);
+                        int64_t D, float eps, int threads);
+void forge_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t F, int threads);
 void forge_rotary(uint16_t *x, int64_t T, int64_t heads, int64_t hd, int64_t stride, const uint16_t *cos,
-                  const uint16_t *sin);
+                  const uint16_t *sin, int threads);
 int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int64_t *tables, int64_t width, const int32_t *lens, int64_t block_size, int64_t D,
                            int64_t H, int64_t Hkv, int64_t hd, float scale, uint16_t *out, int threads);
@@ -78,9 +78,9 @@ int forge_decode_layers(const forge_layer *layers, int64_t count, const forge_di
     int status = OK;
     for (int64_t l = 0; l < count && status == OK; l++) {
         const forge_layer *p = layers + l;
-        forge_add_rms_norm(x, l > 0 ? delta : NULL, p->input_norm, h, T, D, dims->eps);
+        forge_add_rms_norm(x, l > 0 ? delta : NULL, p->input_norm, h, T, D, dims->eps, threads);
         if ((status = project(&p->qkv, h, T, qkv, threads))) break;
-        forge_rotary(qkv, T, H + Hkv, hd, Nqkv, cos, sin);
+        forge_rotary(qkv, T, H + Hkv, hd, Nqkv, cos, sin, threads);
         for (int64_t t = 0; t < T; t++) {
             memcpy(p->k_cache + slots[t] * kv, qkv + t * Nqkv + H * hd, sizeof(uint16_t) * (size_t)kv);
             memcpy(p->v_cache + slots[t] * kv, qkv + t * Nqkv + (H + Hkv) * hd, sizeof(uint16_t) * (size_t)kv);
@@ -89,9 +89,9 @@ int forge_decode_layers(const forge_layer *layers, int64_t count, const forge_di
                                              dims->block_size, T, H, Hkv, hd, dims->scale, attn, threads)))
             break;
         if ((status = project(&p->o, attn, T, delta, threads))) break;
-        forge_add_rms_norm(x, delta, p->post_norm, h, T, D, dims->eps);
+        forge_add_rms_norm(x, delta, p->post_norm, h, T, D, dims->eps, threads);
         if ((status = project(&p->gate_up, h, T, gate_up, threads))) break;
-        forge_silu_mul(gate_up, act, T, F);
+        forge_silu_mul(gate_up, act, T, F, threads);
         status = project(&p->down, act, T, delta, threads);
     }
     free(h);

@@ -44,10 +44,15 @@ static inline __m512 exp16(__m512 x) {  /* e^x, about 1 ulp: 2^n e^r with |r| <=
     return _mm512_scalef_ps(p, n);
 }
 
+/* Rows are independent in the elementwise ops below: OpenMP over rows where there are enough of
+ * them to pay for waking the threads (a prefill chunk), one thread for a decode step's few. */
+#define PARALLEL_ROWS 32
+
 /* residual [T, D] fp32 += delta (bf16, may be NULL); out [T, D] bf16 = weight * bf16(residual / rms).
  * D % 16 == 0. */
 void forge_add_rms_norm(float *residual, const uint16_t *delta, const uint16_t *weight, uint16_t *out, int64_t T,
-                        int64_t D, float eps) {
+                        int64_t D, float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (T >= PARALLEL_ROWS)
     for (int64_t t = 0; t < T; t++) {
         float *x = residual + t * D;
         __m512 squares = _mm512_setzero_ps();
@@ -68,7 +73,8 @@ void forge_add_rms_norm(float *residual, const uint16_t *delta, const uint16_t *
 }
 
 /* gate_up [T, 2F] bf16 -> out [T, F] bf16 = bf16(silu(gate)) * up. F % 16 == 0. */
-void forge_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t F) {
+void forge_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t F, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (T >= PARALLEL_ROWS)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *gate = gate_up + t * 2 * F, *up = gate + F;
         for (int64_t i = 0; i < F; i += 16) {
@@ -83,8 +89,9 @@ void forge_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t F
 /* Rotate `heads` heads of hd values in place, rows `stride` apart: HF rotate-half with bf16 tables
  * cos, sin [T, hd]: x * cos + rotate_half(x) * sin, each product rounded to bf16. hd % 32 == 0. */
 void forge_rotary(uint16_t *x, int64_t T, int64_t heads, int64_t hd, int64_t stride, const uint16_t *cos,
-                  const uint16_t *sin) {
+                  const uint16_t *sin, int threads) {
     const int64_t half = hd / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (T >= PARALLEL_ROWS)
     for (int64_t t = 0; t < T; t++) {
         for (int64_t h = 0; h < heads; h++) {
             uint16_t *v = x + t * stride + h * hd;
