@@ -141,80 +141,119 @@ static inline __m512 sum16(__m512 *v) {
     return _mm512_permutexvar_ps(order, mixed);
 }
 
-/* One query head against n keys at `slots` of one KV head (rows `row` apart from `off`):
- * out = softmax(scale q.K) V in fp32, rounded to bf16. `s` holds n + 16 floats of scratch.
- * hd is a constant where inlined, so the query and the accumulators stay in registers. */
+#define MAX_GROUP 4  /* query heads per KV head that run together; more run in runs of this many */
+
+/* G query heads (q: G heads of hd, contiguous) against n keys at `slots` of their shared KV head
+ * (rows `row` apart from `off`): out = softmax(scale q.K) V per head, in fp32, rounded to bf16.
+ * Each key and value is read and widened once for all G heads. `s` holds G (n + 16) floats of
+ * scratch. G and hd are constants where inlined, so queries and accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend(const uint16_t *q, const uint16_t *k_cache,
                                                           const uint16_t *v_cache, const int64_t *slots, int64_t n,
-                                                          int64_t row, int64_t off, const int64_t hd, float scale,
-                                                          float *s, uint16_t *out) {
-    const int64_t pairs = hd / 32;
-    __m512 qv[2 * MAX_PAIRS];
-    for (int64_t c = 0; c < pairs; c++) split_bf16(q + 32 * c, &qv[2 * c], &qv[2 * c + 1]);
-    __m512 top = _mm512_set1_ps(-INFINITY);
+                                                          int64_t row, int64_t off, const int64_t hd, const int G,
+                                                          float scale, float *s, uint16_t *out) {
+    const int64_t pairs = hd / 32, stride = n + 16;
+    __m512 qv[MAX_GROUP][2 * MAX_PAIRS];
+    for (int g = 0; g < G; g++)
+        for (int64_t c = 0; c < pairs; c++) split_bf16(q + g * hd + 32 * c, &qv[g][2 * c], &qv[g][2 * c + 1]);
+    __m512 top[MAX_GROUP];
+    for (int g = 0; g < G; g++) top[g] = _mm512_set1_ps(-INFINITY);
     for (int64_t l0 = 0; l0 < n; l0 += 16) {  /* scores, 16 keys at a time */
         const int64_t count = n - l0 < 16 ? n - l0 : 16;
-        /* Ahead of use: the next 16 keys, and these 16 keys' values. Slots come in blocks scattered
-         * over the cache, which the hardware prefetcher does not follow. */
-        for (int64_t l = l0 + 16; l < n && l < l0 + 32; l++)
+        /* Ahead of use, as slots come in blocks scattered over the cache, which the hardware
+         * prefetcher does not follow: this KV head's part of the next 16 keys to L1; and to L2 the
+         * next 16 keys' values and the 16 keys after those. The first KV head of a row (off 0)
+         * fetches the whole rows, so that the passes of the row's other KV heads find them in L2. */
+        const int64_t bytes = off == 0 ? 2 * row : 2 * hd;
+        for (int64_t l = l0 + 16; l < n && l < l0 + 32; l++) {
             for (int64_t b = 0; b < 2 * hd; b += 64)
                 _mm_prefetch((const char *)(k_cache + slots[l] * row + off) + b, _MM_HINT_T0);
-        for (int64_t l = l0; l < l0 + count; l++)
-            for (int64_t b = 0; b < 2 * hd; b += 64)
+            for (int64_t b = 0; b < bytes; b += 64)
                 _mm_prefetch((const char *)(v_cache + slots[l] * row + off) + b, _MM_HINT_T1);
-        __m512 dots[16];
+        }
+        for (int64_t l = l0 + 32; l < n && l < l0 + 48; l++)
+            for (int64_t b = 0; b < bytes; b += 64)
+                _mm_prefetch((const char *)(k_cache + slots[l] * row + off) + b, _MM_HINT_T1);
+        __m512 dots[MAX_GROUP][16];
 #pragma GCC unroll 16
         for (int i = 0; i < 16; i++) {  /* past the last key, the last key again (masked off below) */
             const uint16_t *k = k_cache + slots[l0 + (i < count ? i : count - 1)] * row + off;
-            __m512 dot = _mm512_setzero_ps();
-            for (int64_t c = 0; c < pairs; c++) {
-                __m512 even, odd;
-                split_bf16(k + 32 * c, &even, &odd);
-                dot = _mm512_fmadd_ps(qv[2 * c + 1], odd, _mm512_fmadd_ps(qv[2 * c], even, dot));
+            __m512 kv[2 * MAX_PAIRS];
+            for (int64_t c = 0; c < pairs; c++) split_bf16(k + 32 * c, &kv[2 * c], &kv[2 * c + 1]);
+            for (int g = 0; g < G; g++) {
+                __m512 dot = _mm512_setzero_ps();
+                for (int64_t c = 0; c < pairs; c++)
+                    dot = _mm512_fmadd_ps(qv[g][2 * c + 1], kv[2 * c + 1], _mm512_fmadd_ps(qv[g][2 * c], kv[2 * c], dot));
+                dots[g][i] = dot;
             }
-            dots[i] = dot;
         }
         const __mmask16 keep = count == 16 ? 0xFFFF : (__mmask16)((1u << count) - 1);
-        const __m512 scores = _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale));
-        _mm512_mask_storeu_ps(s + l0, keep, scores);
-        top = _mm512_mask_max_ps(top, keep, top, scores);
-    }
-    const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t l = 0; l < n; l += 16) {
-        const __mmask16 keep = n - l >= 16 ? 0xFFFF : (__mmask16)((1u << (n - l)) - 1);
-        const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + l), most)));
-        _mm512_mask_storeu_ps(s + l, keep, e);
-        total = _mm512_add_ps(total, e);
-    }
-    __m512 acc[2 * MAX_PAIRS];  /* even and odd elements of each 32 */
-    for (int64_t j = 0; j < 2 * pairs; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t l = 0; l < n; l++) {
-        const uint16_t *v = v_cache + slots[l] * row + off;
-        const __m512 p = _mm512_set1_ps(s[l]);
-        for (int64_t c = 0; c < pairs; c++) {
-            __m512 even, odd;
-            split_bf16(v + 32 * c, &even, &odd);
-            acc[2 * c] = _mm512_fmadd_ps(p, even, acc[2 * c]);
-            acc[2 * c + 1] = _mm512_fmadd_ps(p, odd, acc[2 * c + 1]);
+        for (int g = 0; g < G; g++) {
+            const __m512 scores = _mm512_mul_ps(sum16(dots[g]), _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(s + g * stride + l0, keep, scores);
+            top[g] = _mm512_mask_max_ps(top[g], keep, top[g], scores);
         }
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-    for (int64_t c = 0; c < pairs; c++) {  /* back in order: element 2i in the low half of dword i */
-        const __m512i even = _mm512_castps_si512(round_bf16(_mm512_mul_ps(acc[2 * c], inv)));
-        const __m512i odd = _mm512_castps_si512(round_bf16(_mm512_mul_ps(acc[2 * c + 1], inv)));
-        _mm512_storeu_si512(out + 32 * c, _mm512_or_si512(odd, _mm512_srli_epi32(even, 16)));
+    float inv[MAX_GROUP];
+    for (int g = 0; g < G; g++) {
+        const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top[g]));
+        float *sg = s + g * stride;
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t l = 0; l < n; l += 16) {
+            const __mmask16 keep = n - l >= 16 ? 0xFFFF : (__mmask16)((1u << (n - l)) - 1);
+            const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, sg + l), most)));
+            _mm512_mask_storeu_ps(sg + l, keep, e);
+            total = _mm512_add_ps(total, e);
+        }
+        inv[g] = 1.0f / _mm512_reduce_add_ps(total);
+    }
+    __m512 acc[MAX_GROUP][2 * MAX_PAIRS];  /* even and odd elements of each 32 */
+    for (int g = 0; g < G; g++)
+        for (int64_t j = 0; j < 2 * pairs; j++) acc[g][j] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < n; l++) {
+        const uint16_t *v = v_cache + slots[l] * row + off;
+        __m512 vv[2 * MAX_PAIRS];
+        for (int64_t c = 0; c < pairs; c++) split_bf16(v + 32 * c, &vv[2 * c], &vv[2 * c + 1]);
+        for (int g = 0; g < G; g++) {
+            const __m512 p = _mm512_set1_ps(s[g * stride + l]);
+            for (int64_t j = 0; j < 2 * pairs; j++) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const __m512 scale_out = _mm512_set1_ps(inv[g]);
+        for (int64_t c = 0; c < pairs; c++) {  /* back in order: element 2i in the low half of dword i */
+            const __m512i even = _mm512_castps_si512(round_bf16(_mm512_mul_ps(acc[g][2 * c], scale_out)));
+            const __m512i odd = _mm512_castps_si512(round_bf16(_mm512_mul_ps(acc[g][2 * c + 1], scale_out)));
+            _mm512_storeu_si512(out + g * hd + 32 * c, _mm512_or_si512(odd, _mm512_srli_epi32(even, 16)));
+        }
     }
 }
 
-/* attend() with hd fixed for the common head sizes. */
-static void attend_head(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *slots,
-                        int64_t n, int64_t Hkv, int64_t kvh, int64_t hd, float scale, float *s, uint16_t *out) {
-    const int64_t row = Hkv * hd, off = kvh * hd;
-    switch (hd) {
-        case 64: attend(q, k_cache, v_cache, slots, n, row, off, 64, scale, s, out); break;
-        case 128: attend(q, k_cache, v_cache, slots, n, row, off, 128, scale, s, out); break;
-        default: attend(q, k_cache, v_cache, slots, n, row, off, hd, scale, s, out); break;
+#define ATTEND_HD(G)                                                                                      \
+    switch (hd) {                                                                                         \
+        case 64: attend(q, k_cache, v_cache, slots, n, row, off, 64, G, scale, s, out); break;           \
+        case 128: attend(q, k_cache, v_cache, slots, n, row, off, 128, G, scale, s, out); break;         \
+        default: attend(q, k_cache, v_cache, slots, n, row, off, hd, G, scale, s, out); break;           \
+    }
+
+/* Query heads first .. last - 1 of one token (q, out: that token's heads 0 ..), against KV head
+ * h / (H / Hkv) each: the heads of one KV head together, up to MAX_GROUP at a time, with G and hd
+ * fixed at compile time for the common sizes. `s` holds MAX_GROUP (n + 16) floats. */
+static void attend_heads(const uint16_t *q0, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *slots,
+                         int64_t n, int64_t H, int64_t Hkv, int64_t hd, int64_t first, int64_t last, float scale,
+                         float *s, uint16_t *out0) {
+    const int64_t group = H / Hkv, row = Hkv * hd;
+    for (int64_t h = first; h < last;) {
+        const int64_t kvh = h / group, end = (kvh + 1) * group < last ? (kvh + 1) * group : last;
+        const int64_t count = end - h < MAX_GROUP ? end - h : MAX_GROUP, off = kvh * hd;
+        const uint16_t *q = q0 + h * hd;
+        uint16_t *out = out0 + h * hd;
+        switch (count) {
+            case 1: ATTEND_HD(1) break;
+            case 2: ATTEND_HD(2) break;
+            case 3: ATTEND_HD(3) break;
+            default: ATTEND_HD(4) break;
+        }
+        h += count;
     }
 }
 
@@ -232,7 +271,7 @@ int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
     int64_t longest = 0;
     for (int64_t d = 0; d < D; d++) longest = lens[d] > longest ? lens[d] : longest;
     int64_t *slots = malloc(sizeof(int64_t) * (size_t)(D * longest));
-    float *scores = malloc(sizeof(float) * (size_t)(threads * (longest + 16)));
+    float *scores = malloc(sizeof(float) * (size_t)(threads * MAX_GROUP * (longest + 16)));
     if (!slots || !scores) {
         free(slots);
         free(scores);
@@ -242,10 +281,10 @@ int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
         for (int64_t l = 0; l < lens[d]; l++)
             slots[d * longest + l] = tables[d * width + l / block_size] * block_size + l % block_size;
     /* A job is all heads of one sequence, or where that leaves too few jobs to keep every thread
-     * busy, a run of consecutive heads of it. Within a job the heads of one KV head
-     * run together: the first reads the keys and values from memory, the others find them in
-     * cache; and the job reads whole cache rows, where jobs of one KV head each would split every
-     * row's cache lines between threads. At 16 sequences of 200 tokens reading is most of the time. */
+     * busy, a run of consecutive heads of it. Within a job the heads of one KV head run together
+     * (attend_heads), and the job reads whole cache rows, where jobs of one KV head each would
+     * split every row's cache lines between threads. At 16 sequences of 200 tokens reading is
+     * most of the time. */
     int64_t shares = (2 * threads + D - 1) / D;
     shares = shares < 1 ? 1 : shares > H ? H : shares;
     const int64_t per_share = (H + shares - 1) / shares;
@@ -253,10 +292,8 @@ int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
     for (int64_t job = 0; job < D * shares; job++) {
         const int64_t d = job / shares, first = job % shares * per_share;
         const int64_t last = first + per_share < H ? first + per_share : H;
-        for (int64_t h = first; h < last; h++)
-            attend_head(q + d * q_stride + h * hd, k_cache, v_cache, slots + d * longest, lens[d], Hkv,
-                        h / (H / Hkv), hd, scale, scores + (int64_t)omp_get_thread_num() * (longest + 16),
-                        out + (d * H + h) * hd);
+        attend_heads(q + d * q_stride, k_cache, v_cache, slots + d * longest, lens[d], H, Hkv, hd, first, last, scale,
+                     scores + (int64_t)omp_get_thread_num() * MAX_GROUP * (longest + 16), out + d * H * hd);
     }
     free(slots);
     free(scores);
@@ -270,13 +307,15 @@ int forge_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t 
                             const int64_t *slots, int64_t C, int64_t L, int64_t H, int64_t Hkv, int64_t hd,
                             float scale, uint16_t *out, int threads) {
     if (!shapes_ok(H, Hkv, hd) || L > C || L < 1) return 1;
-    float *scores = malloc(sizeof(float) * (size_t)(threads * (C + 16)));
+    float *scores = malloc(sizeof(float) * (size_t)(threads * MAX_GROUP * (C + 16)));
     if (!scores) return 2;
-#pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
-    for (int64_t job = 0; job < L * H; job++) {
-        const int64_t i = L - 1 - job / H, h = job % H;  /* longest rows first */
-        attend_head(q + i * q_stride + h * hd, k_cache, v_cache, slots, C - L + i + 1, Hkv, h / (H / Hkv), hd, scale,
-                    scores + (int64_t)omp_get_thread_num() * (C + 16), out + (i * H + h) * hd);
+    const int64_t group = H / Hkv;
+#pragma omp parallel for schedule(dynamic, 2) num_threads(threads)
+    for (int64_t job = 0; job < L * Hkv; job++) {  /* a query row's heads of one KV head */
+        const int64_t i = L - 1 - job / Hkv, kvh = job % Hkv;  /* longest rows first */
+        attend_heads(q + i * q_stride, k_cache, v_cache, slots, C - L + i + 1, H, Hkv, hd, kvh * group,
+                     (kvh + 1) * group, scale, scores + (int64_t)omp_get_thread_num() * MAX_GROUP * (C + 16),
+                     out + i * H * hd);
     }
     free(scores);
     return 0;

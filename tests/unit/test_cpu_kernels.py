@@ -176,11 +176,12 @@ def test_rotary_in_place_matches_the_torch_rotation() -> None:
     assert torch.equal(qkv[:, 12 * 64:], v_before)  # the values beside it are untouched
 
 
-# Heads per KV head; head sizes with their own compiled loop (64, 128) and without (96); one to
-# five sequences, which the kernel splits between threads by sequence or by heads.
+# Heads per KV head (1 to 4 run together, 6 and 8 in runs of at most 4); head sizes with their own
+# compiled loop (64, 128) and without (96); one to five sequences, which the kernel splits between
+# threads by sequence or by heads.
 @pytest.mark.parametrize("heads,kv_heads,hd,lens", [
     (9, 3, 64, [1, 17, 100, 33]), (4, 4, 64, [1, 17, 100, 33]), (9, 3, 64, [250]), (8, 2, 128, [40, 7]),
-    (6, 2, 96, [16, 1, 33, 64, 5])])
+    (6, 2, 96, [16, 1, 33, 64, 5]), (12, 2, 64, [30, 3]), (16, 2, 128, [20]), (4, 2, 64, [19, 45])])
 def test_decode_attention_matches_fp32_attention_over_the_paged_cache(heads: int, kv_heads: int, hd: int,
                                                                       lens: list[int]) -> None:
     g = torch.Generator().manual_seed(heads)
@@ -206,9 +207,10 @@ def test_decode_attention_matches_fp32_attention_over_the_paged_cache(heads: int
 
 
 @pytest.mark.parametrize("context,chunk", [(37, 37), (100, 24), (50, 1)])
-def test_prefill_attention_is_causal_over_the_whole_context(context: int, chunk: int) -> None:
+@pytest.mark.parametrize("heads,kv_heads,hd", [(6, 2, 32), (9, 3, 64), (10, 2, 128)])
+def test_prefill_attention_is_causal_over_the_whole_context(context: int, chunk: int, heads: int, kv_heads: int,
+                                                            hd: int) -> None:
     g = torch.Generator().manual_seed(context)
-    heads, kv_heads, hd = 6, 2, 32
     k_cache = torch.randn(256, kv_heads, hd, generator=g).bfloat16()
     v_cache = torch.randn(256, kv_heads, hd, generator=g).bfloat16()
     slots = torch.randperm(256, generator=g)[:context]
