@@ -322,7 +322,6 @@ class DecodePlan:
                  intermediate: int, eps: float, scale: float, max_rows: int) -> None:
         self.layers = layers  # keeps the weights the structs point at alive
         self.max_rows = max_rows
-        self.head_dim = head_dim
         self.dims = _Dims(hidden, heads, kv_heads, head_dim, intermediate, 0, eps, scale)
         self.table = (_Layer * len(layers))()
         for row, layer in zip(self.table, layers):
@@ -353,6 +352,8 @@ class DecodePlan:
         if not _bf16(cos, sin):
             raise ValueError("the fused decode takes bf16 rotary tables")
         if kv_caches is not self._caches:
+            if len(kv_caches) != len(self.layers):
+                raise ValueError(f"{len(kv_caches)} caches for {len(self.layers)} layers")
             for row, (k_cache, v_cache) in zip(self.table, kv_caches):
                 if not (_bf16(k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()):
                     raise ValueError("the fused decode takes contiguous bf16 caches")

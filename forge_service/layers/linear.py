@@ -64,8 +64,8 @@ class Linear:
         self.int8: torch.Tensor | None = None  # torch's int8 form, without native kernels
         self.int8_scale: torch.Tensor | None = None
         # Activations go to the native kernels as int8 with a second level in their outlier groups
-        # (about as exact as bf16), or as one level for the int8 lm_head: the model recomputes its
-        # leading logits in fp32 anyway.
+        # (close to bf16 activations: see cpu_kernels.linear), or as one level for the int8 lm_head:
+        # the model recomputes its leading logits in fp32 anyway.
         self.levels = 1 if int8_rows else 2
         if (int4 is not None or int8_rows) and cpu_kernels.supports(weight.shape):
             self.native = (cpu_kernels.pack_q4(int4.codes, int4.scale, int4.zero) if int4 is not None
