@@ -59,13 +59,12 @@ static inline __m512 load16(const void *x, int bf16, int64_t at) {
 /* x [M, K] (bf16 or fp32) -> int8 levels a [levels][M, K] with x ~ xd (a0 + a1 / 254), scales xd and
  * xs = xd * sum(a0 + a1 / 254) [M, K / 32]. The second level carries the first one's rounding error
  * in the groups that hold one of the row's large values (amax > fine_above * the row's RMS; all
- * groups when fine_above is 0) and is zero elsewhere. fine[b] lists, in order, the groups where some
- * row of block b (rows ROWS b ..) has a second level; returns the total length of the lists. */
-static int64_t quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int levels, float fine_above,
+ * groups when fine_above is 0) and is zero elsewhere. fine[b] lists, in order, the fine_count[b]
+ * groups where some row of block b (rows ROWS b ..) has a second level. */
+static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int levels, float fine_above,
                              int8_t *a, float *xd, float *xs, int32_t *fine, int32_t *fine_count) {
     const int64_t groups = K / GROUP;
     const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
-    int64_t total = 0;
     memset(fine_count, 0, ((M + ROWS - 1) / ROWS) * sizeof(int32_t));
     for (int64_t m = 0; m < M; m++) {
         __m512 squares = _mm512_setzero_ps();
@@ -105,12 +104,10 @@ static int64_t quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, in
                     memmove(list + i + 1, list + i, (n - i) * sizeof(int32_t));
                     list[i] = (int32_t)g;
                     fine_count[block] = n + 1;
-                    total++;
                 }
             }
         }
     }
-    return total;
 }
 
 static inline __m512 halves(const uint16_t *p) {  /* 16 fp16 -> fp32 */
