@@ -62,8 +62,7 @@ class CpuBackend:
         plan = [cpu_kernels.DecodeLayer(layer.input_norm, layer.post_norm,
                                         *((getattr(layer, n).native, getattr(layer, n).levels) for n in names))
                 for layer in layers]
-        if (arch.hidden_size % 16 or arch.intermediate_size % 16
-                or not cpu_kernels.DecodePlan.supported(plan, arch.head_dim)):
+        if not cpu_kernels.DecodePlan.supported(plan, arch.hidden_size, arch.intermediate_size, arch.head_dim):
             return None
         return cpu_kernels.DecodePlan(plan, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                       arch.intermediate_size, arch.rms_norm_eps, scale, NATIVE_MAX_ROWS)

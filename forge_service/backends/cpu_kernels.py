@@ -243,11 +243,15 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
                            torch.get_num_threads())
 
 
+def _head_dim_supported(hd: int) -> bool:
+    return hd % 32 == 0 and hd <= 256  # ops.c's attention: whole 32-value bf16 loads, MAX_HEAD_DIM
+
+
 def attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """q [T, H, hd] with whole heads contiguous, against a contiguous cache; both bf16."""
     hd = q.shape[-1]
     return (library() is not None and _bf16(q, k_cache) and q.stride(2) == 1 and q.stride(1) == hd
-            and hd % 32 == 0 and hd <= 256 and k_cache.is_contiguous())
+            and _head_dim_supported(hd) and k_cache.is_contiguous())
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -335,9 +339,11 @@ class DecodePlan:
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @staticmethod
-    def supported(layers: list[DecodeLayer], head_dim: int) -> bool:
-        return (library() is not None and head_dim % 32 == 0 and head_dim <= 256
-                and all(_bf16(layer.input_norm, layer.post_norm) for layer in layers))
+    def supported(layers: list[DecodeLayer], hidden: int, intermediate: int, head_dim: int) -> bool:
+        """Whether every kernel of the call takes these shapes (as norm_supported, silu_mul_supported
+        and attention_supported say for the per-kernel path)."""
+        return (library() is not None and hidden % 16 == 0 and intermediate % 16 == 0
+                and _head_dim_supported(head_dim) and all(_bf16(layer.input_norm, layer.post_norm) for layer in layers))
 
     def takes(self, meta, tokens: int) -> bool:
         """Whether this step is one the plan runs: decode tokens only, as many as the native GEMMs
