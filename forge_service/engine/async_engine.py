@@ -28,7 +28,8 @@ class SyncEngine(Protocol):
     """What AsyncEngine needs from forge_service.engine.engine.LLMEngine."""
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    label: str | None = None) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
     def step(self) -> list[Any]: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -40,6 +41,7 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    label: str | None
 
 
 @dataclass(frozen=True)
@@ -119,14 +121,17 @@ class AsyncEngine:
         # shield: a cancelled RPC must not cancel a compile that other requests may share.
         await asyncio.shield(asyncio.wrap_future(compiler.compile_async(params.constraint)))
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[Any]:
-        """Submit a request and yield its RequestOutputs (deltas) until it finishes."""
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       label: str | None = None) -> AsyncIterator[Any]:
+        """Submit a request and yield its RequestOutputs (deltas) until it finishes.
+
+        `request_id` keys the request in the engine: the caller makes a fresh one (uuid4) per
+        request. `label` is the client's own id, for logs and traces; it may repeat."""
         self._admit(request_id, params.n)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = queue
         self._adds_submitted += params.n
-        self._submit(_Add(request_id, list(prompt_token_ids), params))
+        self._submit(_Add(request_id, list(prompt_token_ids), params, label))
         finished = False
         try:
             while True:
@@ -223,7 +228,8 @@ class AsyncEngine:
 
     def _add(self, command: _Add) -> None:
         try:
-            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                    label=command.label)
         except ForgeError as error:
             self._post(self._fail, command.request_id, error)
         except Exception:  # a bug in the engine: this request fails, the others go on

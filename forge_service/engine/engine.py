@@ -98,32 +98,45 @@ class LLMEngine:
                  time.perf_counter() - started, self.runner.num_blocks, config.cache.block_size)
 
     # ---- requests in ----
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Validate and queue a prompt; raises InvalidArgument or QueueFull."""
-        if request_id in self.parents:
-            raise InvalidArgument(f"request id {request_id!r} is already in use")
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    label: str | None = None) -> None:
+        """Validate and queue a prompt; raises InvalidArgument or QueueFull and then leaves nothing behind.
+
+        `request_id` is the engine's key and must not be in use (the server makes a fresh one per
+        request); with n > 1, completion i runs as `<request_id>#<i>`. `label` is the client's id,
+        for logs and traces only (default: request_id)."""
         self.validate(prompt_token_ids, params)
         bound = self.config.scheduler.max_waiting
         if bound and self.scheduler.num_waiting + params.n > bound:
             raise QueueFull(f"the waiting queue is full ({self.scheduler.num_waiting} of {bound})")
+        label = request_id if label is None else label
+        children = [self._child(request_id, prompt_token_ids, params, i, label) for i in range(params.n)]
+        taken = next((i for i in [request_id, *(c.request_id for c in children)]
+                      if i in self.parents or i in self.processors), None)
+        if taken is not None:  # a parent's id and another's completion id must never meet either
+            raise InvalidArgument(f"request id {taken!r} is already in use")
         # A cache hit when the servicer compiled it off the loop first; offline, compiled here.
         grammar = None if params.constraint is None else self.grammar_compiler.compile(params.constraint)
-        children = [self._child(request_id, prompt_token_ids, params, i) for i in range(params.n)]
         self.parents[request_id] = _Parent(request_id, list(prompt_token_ids), [c.request_id for c in children])
-        for child in children:
-            self.processors[child.request_id] = CompletionProcessor(self.tokenizer, child, self.token_texts)
-            if grammar is not None:  # each completion its own matcher
-                self.runner.grammars.add(child.request_id, grammar)
-            self.scheduler.add(child)
+        try:
+            for child in children:
+                self.processors[child.request_id] = CompletionProcessor(self.tokenizer, child, self.token_texts)
+                if grammar is not None:  # each completion its own matcher
+                    self.runner.grammars.add(child.request_id, grammar)
+                self.scheduler.add(child)
+        except BaseException:
+            self.abort_request(request_id)  # all or nothing: no half-added request lingers
+            raise
 
-    def _child(self, request_id: str, prompt: list[int], params: SamplingParams, index: int) -> Request:
+    def _child(self, request_id: str, prompt: list[int], params: SamplingParams, index: int,
+               label: str) -> Request:
         stops = set(params.stop_token_ids)
         if not params.ignore_eos or params.constraint is not None:  # a grammar allows EOS only at its end
             stops.update(self.eos_token_ids)
         return Request(
             request_id=request_id if params.n == 1 else f"{request_id}#{index}",
             prompt_token_ids=list(prompt), sampling_params=params, stop_token_set=frozenset(stops),
-            max_model_len=self.max_model_len, parent_id=request_id, index=index,
+            max_model_len=self.max_model_len, parent_id=request_id, index=index, label=label,
             seed=None if params.seed is None else params.seed + index,
         )
 

@@ -117,6 +117,8 @@ class Request:
     max_model_len: int = 1 << 30
     parent_id: str | None = None
     index: int = 0  # which of the parent's n completions
+    # The client's id for logs and traces (X-Request-Id, gRPC request_id): never a key, may repeat.
+    label: str = ""
     seed: int | None = None  # this completion's seed (the parent's seed offset by index)
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)

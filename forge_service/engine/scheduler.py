@@ -52,8 +52,9 @@ class Scheduler:
         return self.kv.blocks_needed(num_tokens) <= self.kv.num_blocks
 
     def add(self, request: Request) -> None:
-        """Queue a request at the back. Raises InvalidArgument if its tokens could never fit."""
-        assert request.request_id not in self._requests, f"duplicate request id {request.request_id}"
+        """Queue a request at the back. Raises InvalidArgument if its id is taken or its tokens could never fit."""
+        if request.request_id in self._requests:
+            raise InvalidArgument(f"request id {request.request_id!r} is already queued or running")
         if request.num_tokens == 0:
             raise InvalidArgument("the prompt is empty")
         if not self.can_ever_fit(request.num_tokens):
