@@ -53,8 +53,10 @@ class AsyncEngine:
     """Runs an engine's step loop on a dedicated thread and streams each request's outputs.
 
     `generate` yields the engine's delta RequestOutputs for one request until it finishes; if
-    the consumer stops early or is cancelled, the request is aborted in the engine. If the
-    engine's `step` raises, every request in flight fails with INTERNAL and the loop goes on.
+    the consumer stops early or is cancelled, the request is aborted in the engine. A request
+    that the engine failed alone (an output with `error` set) fails with INTERNAL and that
+    message; the others go on. If the engine's `step` itself raises, every request in flight
+    fails with INTERNAL and the loop goes on.
     """
 
     def __init__(self, engine: SyncEngine, max_waiting: int = 0) -> None:
@@ -170,8 +172,10 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[Any]) -> None:
         for output in outputs:
             queue = self._streams.get(output.request_id)
-            if queue is not None:  # None: the consumer left and the abort is on its way
-                queue.put_nowait(output)
+            if queue is None:  # the consumer left and the abort is on its way
+                continue
+            error = getattr(output, "error", None)  # the engine failed this request alone
+            queue.put_nowait(ForgeError(error) if error else output)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         queue = self._streams.get(request_id)
