@@ -32,7 +32,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Prompts are strings or token-id lists; returns one RequestOutput per prompt, in order."""
+        """Prompts are strings or token-id lists; returns one RequestOutput per prompt, in order.
+
+        A prompt that made the engine fail comes back with `error` set and finish reason "error"
+        (its other completions "abort"); the other prompts are unaffected."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]

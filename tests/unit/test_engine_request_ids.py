@@ -128,6 +128,9 @@ def test_grpc_client_ids_are_labels_and_the_x0_attack_harms_nobody(tiny_dir):
         first = await victim.read()
         attacker = await h.stub.Generate(attacker_request)  # while X's completions X#0, X#1 run
         same = await h.stub.Generate(attacker_request)  # a client id may repeat
+        abandoned = h.stub.Stream(victim_request)  # the victim's own id again, then cancelled mid-way
+        await abandoned.read()
+        abandoned.cancel()
         texts = {0: "", 1: ""}
         message = first
         while message is not grpc_eof():
