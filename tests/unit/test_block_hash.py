@@ -57,3 +57,21 @@ def test_a_prefix_matches_up_to_the_first_differing_block():
     assert kv.match_prefix("c", first) == 0
     assert kv.block_ids("c") == []
     assert kv.match_prefix("d", list(tokens)) == 9 * bs  # equal prompts share all but the last block
+
+
+def test_the_engine_serves_a_prefix_hit_over_1200_blocks(tmp_path):
+    # Block size 1 makes a 1,300-token prompt 1,299 cached blocks: the old keys' RecursionError
+    # escaped the engine's step here, on a model whose context is only 2k tokens.
+    from forge_service import LLM, SamplingParams
+    from tests.tiny_models import random_weights, tiny_arch, tiny_tokenizer_json, write_safetensors_dir
+
+    arch = tiny_arch(max_position_embeddings=2048)
+    write_safetensors_dir(tmp_path, arch, random_weights(arch), tokenizer_json=tiny_tokenizer_json())
+    llm = LLM(model=str(tmp_path), dtype="float32", block_size=1, num_blocks=4000, max_num_batched_tokens=1024)
+    prompt = [3 + (i * 37) % 300 for i in range(1300)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = llm.generate([prompt], params)[0]
+    second = llm.generate([prompt], params)[0]
+    assert second.num_cached_tokens == 1299 and first.num_cached_tokens == 0
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert second.outputs[0].finish_reason == "length"
