@@ -15,6 +15,16 @@ FLAGS = [
     ("--log-level", "log_level", str, "debug, info, warning or error"),
     ("--request-timeout-s", "request_timeout_s", float, "gRPC deadline when the client sends none"),
     ("--retry-after-s", "retry_after_s", int, "Retry-After on 429 and 503"),
+    # Limits on one request (README "Gateway limits").
+    ("--max-body-bytes", "max_body_bytes", int, "largest request body; past it 413"),
+    ("--max-json-depth", "max_json_depth", int, "deepest nesting of the JSON body; past it 400"),
+    ("--max-unknown-field-bytes", "max_unknown_field_bytes", int, "JSON size of ignored unknown fields; past it 400"),
+    ("--max-prompts", "max_prompts", int, "prompts in one /v1/completions batch; past it 400"),
+    ("--max-messages", "max_messages", int, "messages in one chat request; past it 400"),
+    ("--max-stop", "max_stop", int, "entries in stop and in stop_token_ids; past it 400"),
+    ("--max-n", "max_n", int, "completions per prompt (n); past it 400"),
+    ("--max-n-tokens", "max_n_tokens", int, "prompts x n x max_tokens; past it 400"),
+    ("--max-logit-bias", "max_logit_bias", int, "entries in logit_bias; past it 400"),
 ]
 
 

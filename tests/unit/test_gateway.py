@@ -19,6 +19,7 @@ import uvicorn
 from forge_gateway import convert
 from forge_gateway.app import create_app
 from forge_gateway.config import GatewayConfig
+from forge_gateway.errors import ERROR_KIND_KEY, QUEUE_FULL
 from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
 
@@ -55,6 +56,8 @@ class FakeForge(pb_grpc.ForgeServicer):
         if request.model == "missing":
             context.abort(S.NOT_FOUND, "model 'missing' is not served here; this server serves 'fake-model'")
         prompt = prompt_of(request)
+        if prompt == "queue-full":  # the service marks its full queue; other RESOURCE_EXHAUSTED are sizes
+            context.set_trailing_metadata(((ERROR_KIND_KEY, QUEUE_FULL),))
         if prompt in ERRORS:
             context.abort(*ERRORS[prompt])
         if prompt == "slow":
@@ -192,8 +195,12 @@ def chat_body(content: str = "hi", **fields: Any) -> dict[str, Any]:
     return {"model": "fake-model", "messages": [{"role": "user", "content": content}], **fields}
 
 
-def sse_events(response: httpx.Response) -> list[Any]:
+def sse_events(response: httpx.Response, failed: bool = False) -> list[Any]:
+    """The data of each event. A stream that `failed` ends with one `event: error` and no [DONE]."""
     lines = [line for line in response.iter_lines() if line]
+    if failed:
+        assert lines[-2] == "event: error" and "[DONE]" not in lines[-1]
+        lines = lines[:-2] + [lines[-1], "data: [DONE]"]
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
     return [json.loads(line[6:]) for line in lines[:-1]]
@@ -372,7 +379,7 @@ def test_malformed_json_and_unknown_route(http: httpx.Client) -> None:
 def test_error_after_the_stream_started_is_an_sse_event(http: httpx.Client, client: openai.OpenAI,
                                                         fake: FakeForge) -> None:
     with http.stream("POST", "/v1/chat/completions", json=chat_body("midstream-fail", stream=True)) as response:
-        events = sse_events(response)
+        events = sse_events(response, failed=True)
     assert events[-1]["error"]["message"] == "internal engine error [error id def456]"
     with pytest.raises(openai.APIError):
         list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "midstream-fail"}],
