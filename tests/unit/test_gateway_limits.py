@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from forge_gateway import convert
+from forge_gateway import convert, limits
 from forge_gateway.app import create_app
 from forge_gateway.config import GatewayConfig
 from forge_gateway.errors import GatewayError
@@ -194,10 +194,10 @@ NESTED = b'{"a": ' * 20 + b"1" + b"}" * 20
 @pytest.mark.parametrize("raw, code, param", [
     (b"[" * 30_000 + b"]" * 30_000, "invalid_json", None),  # past the parser's own recursion limit
     (CHAT + b', "guided_json": ' + NESTED + b"}", "invalid_json", None),
-    (b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "invalid_value",
-     "messages.0.content"),
-    (CHAT + b', "stop": ["ok", "\\udfff"]}', "invalid_value", "stop.1"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "invalid_value", None),
+    (CHAT + b', "stop": ["ok", "\\udfff"]}', "invalid_value", None),
     (CHAT + b', "\\ud83d": 1}', "invalid_value", None),
+    (CHAT + b', "user": "\\udc00\\ud800"}', "invalid_value", None),
     (CHAT + b', "temperature": NaN}', "invalid_json", None),
     (CHAT + b', "top_p": -Infinity}', "invalid_json", None),
     (b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}', "invalid_json", None),
@@ -223,6 +223,29 @@ def test_depth_bound_counts_levels(http: httpx.Client, fake: LimitsFake) -> None
 
     assert http.post("/v1/chat/completions", json=body(15)).status_code == 200
     assert_error(http.post("/v1/chat/completions", json=body(16)), 400, "invalid_json")
+
+
+def _reference_depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_reference_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_reference_depth, value), default=0)
+    return 0
+
+
+@pytest.mark.parametrize("text", [
+    '1', '"[[{"', '[]', '{}', '[[], [[]], {"a": [{}]}]', '{"a": "\\\\", "b": ["]]]\\"[[["]}',
+    '[["\\\\\\"[", "\\\\"], "{{"]', '{"k[": {"\\u005b": [1, 2, {"x": null}]}}', '["é😀[", [["ü]"]]]',
+])
+def test_depth_matches_the_parsed_nesting(text: str) -> None:
+    assert limits._depth(text.encode()) == _reference_depth(json.loads(text))
+
+
+def test_escaped_surrogate_pairs_and_brackets_in_strings_pass(http: httpx.Client, fake: LimitsFake) -> None:
+    raw = json.dumps(chat_body("😀 [[[[{{{{ \\\" ]]", stop=["\\[{"]), ensure_ascii=True).encode()
+    assert b"\\ud83d\\ude00" in raw
+    assert http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"}).status_code == 200
+    assert fake.requests[0].chat.messages[0].content == "😀 [[[[{{{{ \\\" ]]"
 
 
 def test_unknown_fields_are_ignored_only_while_small(http: httpx.Client, fake: LimitsFake) -> None:
