@@ -347,3 +347,15 @@ def test_aborted_completion_mid_stream_is_an_error_event(stack: tuple, http: htt
     client = openai.OpenAI(base_url=stack[1].url + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.APIError, match="did not complete"):
         list(client.completions.create(model="m", prompt="aborted", stream=True))
+
+
+def test_limits_come_from_flags_and_forge_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    from forge_gateway.__main__ import parse_config
+    from forge_service.config import ServiceConfig
+    from forge_service.serve import gateway_config
+
+    monkeypatch.setenv("FORGE_MAX_PROMPTS", "7")
+    config = parse_config(["--max-body-bytes", "1000", "--max-n-tokens", "99"])
+    assert (config.max_body_bytes, config.max_n_tokens, config.max_prompts, config.max_n) == (1000, 99, 7, 128)
+    served = gateway_config(ServiceConfig(api_key="k"), 5)  # `forge serve`'s gateway reads them too
+    assert (served.max_prompts, served.api_key, served.target) == (7, "k", "127.0.0.1:5")
