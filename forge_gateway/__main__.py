@@ -15,7 +15,10 @@ FLAGS = [
     ("--log-level", "log_level", str, "debug, info, warning or error"),
     ("--request-timeout-s", "request_timeout_s", float, "gRPC deadline when the client sends none"),
     ("--retry-after-s", "retry_after_s", int, "Retry-After on 429 and 503"),
-    # Limits on one request (README "Gateway limits").
+]
+
+# Limits on one request (README "Gateway limits").
+LIMIT_FLAGS = [
     ("--max-body-bytes", "max_body_bytes", int, "largest request body; past it 413"),
     ("--max-json-depth", "max_json_depth", int, "deepest nesting of the JSON body; past it 400"),
     ("--max-unknown-field-bytes", "max_unknown_field_bytes", int, "JSON size of ignored unknown fields; past it 400"),
@@ -30,7 +33,7 @@ FLAGS = [
 
 def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     parser = argparse.ArgumentParser(prog="python -m forge_gateway", description="Forge OpenAI-compatible gateway")
-    for flag, dest, kind, help_text in FLAGS:
+    for flag, dest, kind, help_text in FLAGS + LIMIT_FLAGS:
         parser.add_argument(flag, dest=dest, type=kind, default=None, help=help_text)
     return gateway_config_from_env(**vars(parser.parse_args(argv)))
 

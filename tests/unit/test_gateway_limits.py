@@ -33,14 +33,8 @@ OPENAI_FINISH_REASONS = {"stop", "length", "content_filter", "tool_calls", "func
 
 
 class LimitsFake(FakeForge):
-    """FakeForge, and: `too-big` fails like a message over gRPC's size limit (RESOURCE_EXHAUSTED with no
-    queue mark); `aborted` / `unfinished` end choice 0 with FINISH_REASON_ABORT / _UNSPECIFIED."""
-
-    def _admit(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> str:
-        if prompt_of(request) == "too-big":
-            self.requests.append(request)
-            context.abort(S.RESOURCE_EXHAUSTED, "Received message larger than max (70000000 vs. 67108864)")
-        return super()._admit(request, context)
+    """FakeForge (where `too-large` fails like a message over gRPC's size limit: RESOURCE_EXHAUSTED with no
+    queue mark), and: `aborted` / `unfinished` end choice 0 with FINISH_REASON_ABORT / _UNSPECIFIED."""
 
     def _finish(self, request: pb.GenerateRequest, message: Any) -> None:
         ends = {"aborted": pb.FINISH_REASON_ABORT, "unfinished": pb.FINISH_REASON_UNSPECIFIED}
@@ -304,7 +298,7 @@ def test_request_timeout_must_be_a_positive_finite_number(http: httpx.Client, fa
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_resource_exhausted_without_the_queue_mark_is_413(http: httpx.Client, fake: LimitsFake, stream: bool) -> None:
-    response = http.post("/v1/chat/completions", json=chat_body("too-big", stream=stream))
+    response = http.post("/v1/chat/completions", json=chat_body("too-large", stream=stream))
     assert_error(response, 413, "request_too_large")
     assert "retry-after" not in response.headers
     full = http.post("/v1/chat/completions", json=chat_body("queue-full", stream=stream))
@@ -315,7 +309,7 @@ def test_resource_exhausted_without_the_queue_mark_is_413(http: httpx.Client, fa
 def test_openai_client_does_not_see_a_size_error_as_a_rate_limit(stack: tuple, fake: LimitsFake) -> None:
     client = openai.OpenAI(base_url=stack[1].url + "/v1", api_key="unused", max_retries=2)
     with pytest.raises(openai.APIStatusError) as info:
-        client.completions.create(model="m", prompt="too-big")
+        client.completions.create(model="m", prompt="too-large")
     assert info.value.status_code == 413 and len(fake.requests) == 1  # not retried
     with pytest.raises(openai.RateLimitError):
         client.with_options(max_retries=0).completions.create(model="m", prompt="queue-full")
