@@ -22,8 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from forge_gateway import convert
 from forge_gateway.config import GatewayConfig
 from forge_gateway.errors import GatewayError, from_grpc, internal_error, validation_error
-from forge_gateway.limits import RequestGuard, check_request
 from forge_gateway.models import ChatCompletionRequest, CompletionRequest
+from forge_gateway.limits import RequestGuard, check_request
 from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
 
@@ -52,8 +52,8 @@ def create_app(config: GatewayConfig, channel: grpc.aio.Channel | None = None) -
             await own.close()
 
     app = FastAPI(title="Forge gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.config = config
     app.add_middleware(RequestGuard, config=config)  # the API key and the body's bounds, before any parsing
+    app.state.config = config
     if channel is not None:
         app.state.stub = pb_grpc.ForgeStub(channel)
     _install_error_handlers(app, config)

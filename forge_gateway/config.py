@@ -16,6 +16,8 @@ class GatewayConfig:
     # When set, every path but /health requires `Authorization: Bearer <api_key>`.
     api_key: str | None = None
     log_level: str = "info"
+    # gRPC deadline for a request whose client sends no `X-Request-Timeout` header (seconds).
+    request_timeout_s: float = 600.0
     # ---- limits on one request (README "Gateway limits"); each refusal is OpenAI error JSON ----
     # Request body, checked from Content-Length and while it arrives: 413 before it is all read.
     max_body_bytes: int = 4 << 20
@@ -36,8 +38,6 @@ class GatewayConfig:
     # Entries in `logit_bias`: 400.
     max_logit_bias: int = 1024
 
-    # gRPC deadline for a request whose client sends no `X-Request-Timeout` header (seconds).
-    request_timeout_s: float = 600.0
     # Retry-After (seconds) on 429 and 503 answers.
     retry_after_s: int = 1
 
