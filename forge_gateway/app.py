@@ -280,15 +280,17 @@ async def _sse(first: tuple[int, pb.StreamResponse], rest: AsyncIterator[tuple[i
                 yield _sse_event(chunk)
         for chunk in formatter.end():
             yield _sse_event(chunk)
-    except GatewayError as error:  # e.g. a completion the server aborted
-        yield _sse_event(error.body(), "error")
-        return
-    except grpc.aio.AioRpcError as error:
-        yield _sse_event(from_grpc(error).body(), "error")
-        return
-    except Exception as error:  # a bug mid-stream: report it in the stream, with an id
-        yield _sse_event(internal_error(error).body(), "error")
+    except Exception as error:
+        yield _sse_event(_stream_error(error).body(), "error")
         return
     finally:
         await rest.aclose()  # type: ignore[attr-defined]
     yield "data: [DONE]\n\n"
+
+
+def _stream_error(error: Exception) -> GatewayError:
+    if isinstance(error, GatewayError):  # e.g. a completion the server aborted
+        return error
+    if isinstance(error, grpc.aio.AioRpcError):
+        return from_grpc(error)
+    return internal_error(error)  # a bug mid-stream: reported in the stream, with an id
