@@ -4,6 +4,7 @@ size limits from GatewayConfig, the RESOURCE_EXHAUSTED mapping and finish reason
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import time
@@ -25,7 +26,6 @@ from forge_service.pb import forge_pb2_grpc as pb_grpc
 from tests.unit.test_gateway import FakeForge, Gateway, chat_body, prompt_of, sse_events
 
 pytestmark = pytest.mark.timeout(60)
-S = grpc.StatusCode
 KEY = "sekret"
 LIMITS = GatewayConfig(max_body_bytes=64 << 10, max_json_depth=16, max_unknown_field_bytes=1024, max_prompts=4,
                        max_messages=8, max_stop=2, max_n=4, max_n_tokens=100, max_logit_bias=3)
@@ -50,7 +50,7 @@ def stack() -> Iterator[tuple[LimitsFake, Gateway, Gateway]]:
     pb_grpc.add_ForgeServicer_to_server(fake, server)
     target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
-    small = Gateway(GatewayConfig(**{**LIMITS.__dict__, "target": target, "retry_after_s": 3}))
+    small = Gateway(dataclasses.replace(LIMITS, target=target, retry_after_s=3))
     locked = Gateway(GatewayConfig(target=target, api_key=KEY))
     yield fake, small, locked
     small.stop()
