@@ -25,6 +25,7 @@ LIMIT_FLAGS = [
     ("--max-prompts", "max_prompts", int, "prompts in one /v1/completions batch; past it 400"),
     ("--max-messages", "max_messages", int, "messages in one chat request; past it 400"),
     ("--max-stop", "max_stop", int, "entries in stop and in stop_token_ids; past it 400"),
+    ("--max-stop-chars", "max_stop_chars", int, "characters in one stop string; past it 400"),
     ("--max-n", "max_n", int, "completions per prompt (n); past it 400"),
     ("--max-n-tokens", "max_n_tokens", int, "prompts x n x max_tokens; past it 400"),
     ("--max-logit-bias", "max_logit_bias", int, "entries in logit_bias; past it 400"),

@@ -31,6 +31,8 @@ class GatewayConfig:
     max_messages: int = 1024
     # Entries in `stop`, and in `stop_token_ids`: 400.
     max_stop: int = 16
+    # Characters in one stop string (the service holds back that much streamed text): 400.
+    max_stop_chars: int = 1024
     # Completions per prompt (`n`): 400.
     max_n: int = 128
     # n x max_tokens x prompts, the tokens one request may ask for (when max_tokens is given): 400.

@@ -160,6 +160,7 @@ def check_request(body: ChatCompletionRequest | CompletionRequest, config: Gatew
         ("messages", len(getattr(body, "messages", ())), config.max_messages, "messages"),
         ("stop", len(body.stop_list), config.max_stop, "stop strings"),
         ("stop_token_ids", len(body.stop_token_ids or ()), config.max_stop, "stop token ids"),
+        ("stop", max(map(len, body.stop_list), default=0), config.max_stop_chars, "characters in a stop string"),
         ("n", body.n, config.max_n, "completions per prompt (n)"),
         ("logit_bias", len(body.logit_bias or {}), config.max_logit_bias, "logit_bias entries"),
     ]

@@ -28,7 +28,7 @@ from tests.unit.test_gateway import FakeForge, Gateway, chat_body, prompt_of, ss
 pytestmark = pytest.mark.timeout(60)
 KEY = "sekret"
 LIMITS = GatewayConfig(max_body_bytes=64 << 10, max_json_depth=16, max_unknown_field_bytes=1024, max_prompts=4,
-                       max_messages=8, max_stop=2, max_n=4, max_n_tokens=100, max_logit_bias=3)
+                       max_messages=8, max_stop=2, max_stop_chars=5, max_n=4, max_n_tokens=100, max_logit_bias=3)
 OPENAI_FINISH_REASONS = {"stop", "length", "content_filter", "tool_calls", "function_call"}
 
 
@@ -264,6 +264,8 @@ MESSAGE = {"role": "user", "content": "hi"}
     ("/v1/completions", {"model": "m", "prompt": [[1, 2]] * 5}, "prompt"),
     ("/v1/chat/completions", {"model": "m", "messages": [MESSAGE] * 9}, "messages"),
     ("/v1/chat/completions", chat_body(stop=["a", "b", "c"]), "stop"),
+    ("/v1/chat/completions", chat_body(stop=["a", "sixsix"]), "stop"),
+    ("/v1/completions", {"model": "m", "prompt": "p", "stop": "sixsix"}, "stop"),
     ("/v1/completions", {"model": "m", "prompt": "p", "stop_token_ids": [1, 2, 3]}, "stop_token_ids"),
     ("/v1/chat/completions", chat_body(n=5), "n"),
     ("/v1/chat/completions", chat_body(n=4, max_tokens=26), "max_tokens"),
@@ -279,7 +281,7 @@ def test_size_limits_are_400(http: httpx.Client, fake: LimitsFake, path: str, bo
 
 def test_requests_at_the_limits_pass(http: httpx.Client, fake: LimitsFake) -> None:
     assert http.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"], "n": 2, "max_tokens": 25,
-                                              "stop": ["x", "y"], "stop_token_ids": [1, 2]}).status_code == 200
+                                              "stop": ["x", "fivee"], "stop_token_ids": [1, 2]}).status_code == 200
     body = chat_body(n=4, max_tokens=25, logit_bias={"1": 1, "2": 1, "3": 1}, messages=[MESSAGE] * 8)
     assert http.post("/v1/chat/completions", json=body).status_code == 200
     assert len(fake.requests) == 3
