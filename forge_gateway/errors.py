@@ -8,6 +8,8 @@ from typing import Any
 import grpc
 from fastapi.responses import JSONResponse
 
+from forge_service.errors import ERROR_KIND_KEY
+
 log = logging.getLogger(__name__)
 
 # gRPC status -> (HTTP status, OpenAI error type, OpenAI error code).
@@ -50,7 +52,15 @@ class GatewayError(Exception):
 
 def from_grpc(error: grpc.aio.AioRpcError) -> GatewayError:
     status, type_, code = GRPC_TO_HTTP.get(error.code(), (500, "server_error", None))
+    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not _queue_full(error):
+        # gRPC's own RESOURCE_EXHAUSTED (a message over its size limit) cannot succeed on a retry.
+        status, type_, code = 413, "invalid_request_error", "request_too_large"
     return GatewayError(status, error.details() or error.code().name, type_, code=code)
+
+
+def _queue_full(error: grpc.aio.AioRpcError) -> bool:
+    """The service marks its one retryable RESOURCE_EXHAUSTED, a full queue, in trailing metadata."""
+    return (ERROR_KIND_KEY, "queue_full") in tuple(error.trailing_metadata() or ())
 
 
 def internal_error(error: BaseException) -> GatewayError:
