@@ -180,8 +180,11 @@ class ForgeService:
         self._idle.set()
         self._tokenizers = TokenizerPool(config.tokenizer_workers, config.max_pending_tokenize)
 
-    async def start(self) -> int:
-        """Bind and start serving (health and reflection answer at once); returns the port."""
+    async def start(self, local_socket: str | None = None) -> int:
+        """Bind and start serving (health and reflection answer at once); returns the port.
+
+        `local_socket`: also listen, in plaintext, on this Unix socket (`forge serve`'s own gateway
+        uses it when the port has TLS; the API key still applies)."""
         credentials = auth.server_credentials(self.config)
         server = grpc.aio.server(options=_SERVER_OPTIONS,
                                  interceptors=[*auth.interceptors(self.config), UndecodableRequestGuard()])
@@ -192,6 +195,8 @@ class ForgeService:
             reflection.enable_server_reflection(names, server)
         address = f"{self.config.host}:{self.config.grpc_port}"
         self.port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        if local_socket is not None:
+            server.add_insecure_port(f"unix:{local_socket}")
         await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._server = server
