@@ -10,23 +10,29 @@ import grpc
 from forge_gateway.config import GatewayConfig
 
 
-class _BearerKey(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+def _with_key(details: grpc.aio.ClientCallDetails, header: tuple[str, str]) -> grpc.aio.ClientCallDetails:
+    return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), header))  # type: ignore[attr-defined]
+
+
+# Two classes: a channel files each interceptor under one kind of call only.
+class _UnaryKey(grpc.aio.UnaryUnaryClientInterceptor):
     """Adds the API key to each call's metadata (works on plaintext channels, unlike call credentials)."""
 
     def __init__(self, key: str) -> None:
-        self._header = ("authorization", f"Bearer {key}")
-
-    def _with_key(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._header)
-        return details._replace(metadata=metadata)  # type: ignore[attr-defined]
+        self.header = ("authorization", f"Bearer {key}")
 
     async def intercept_unary_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
                                     request: Any) -> Any:
-        return await continuation(self._with_key(details), request)
+        return await continuation(_with_key(details, self.header), request)
+
+
+class _StreamKey(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, key: str) -> None:
+        self.header = ("authorization", f"Bearer {key}")
 
     async def intercept_unary_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
                                      request: Any) -> Any:
-        return await continuation(self._with_key(details), request)
+        return await continuation(_with_key(details, self.header), request)
 
 
 def channel_credentials(config: GatewayConfig) -> grpc.ChannelCredentials | None:
@@ -43,7 +49,8 @@ def channel_credentials(config: GatewayConfig) -> grpc.ChannelCredentials | None
 
 def open_channel(config: GatewayConfig, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
     """A channel to config.target as the configuration says (TLS, client certificate, API key)."""
-    interceptors = [_BearerKey(config.grpc_api_key)] if config.grpc_api_key else None
+    key = config.grpc_api_key
+    interceptors: list[Any] | None = [_UnaryKey(key), _StreamKey(key)] if key else None
     options = list(options)
     if config.grpc_server_name:
         options.append(("grpc.ssl_target_name_override", config.grpc_server_name))
