@@ -49,7 +49,7 @@ def channel_credentials(config: GatewayConfig) -> grpc.ChannelCredentials | None
 
 def open_channel(config: GatewayConfig, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
     """A channel to config.target as the configuration says (TLS, client certificate, API key)."""
-    key = config.grpc_api_key
+    key = config.api_key if config.grpc_api_key is None else config.grpc_api_key  # as the service defaults
     interceptors: list[Any] | None = [_UnaryKey(key), _StreamKey(key)] if key else None
     options = list(options)
     if config.grpc_server_name:
