@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenizers import Tokenizer as BackendTokenizer
 
+from forge_service.admission import longest_token_chars
 from forge_service.config import LimitsConfig, ServiceConfig
 from forge_service.errors import MAX_DETAILS_WIRE_BYTES, bounded_details, excerpt
 from forge_service.pb import forge_pb2 as pb
@@ -243,3 +244,16 @@ def test_invalid_utf8_in_a_string_field_is_invalid_argument(method: str, streami
 async def _drain(call: Any) -> None:
     async for _ in call:
         pass
+
+
+def test_the_length_bound_holds_only_for_tokenizers_that_never_shorten_text() -> None:
+    from tokenizers import normalizers
+
+    tokenizer = tiny_tokenizer()
+    assert longest_token_chars(tokenizer) == len("<|reserved_10|>")  # the longest added token
+    tokenizer.backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    assert longest_token_chars(tokenizer) == len("<|reserved_10|>")
+    for shortening in (normalizers.NFC(), normalizers.Strip(), normalizers.Replace("ab", "c"),
+                       normalizers.Sequence([normalizers.Prepend("▁"), normalizers.NFKC()])):
+        tokenizer.backend.normalizer = shortening
+        assert longest_token_chars(tokenizer) is None, shortening
