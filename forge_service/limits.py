@@ -31,8 +31,9 @@ def check_request(request: pb.GenerateRequest, limits: LimitsConfig) -> None:
 
 
 def check_total_tokens(n: int, max_tokens: int, limits: LimitsConfig) -> None:
-    """n x max_tokens against --max-total-tokens (max_tokens: the effective one)."""
-    if n * max_tokens > limits.max_total_tokens:
+    """n x max_tokens against --max-total-tokens (max_tokens: the effective one) when n > 1; one
+    completion is bounded by the context alone."""
+    if n > 1 and n * max_tokens > limits.max_total_tokens:
         raise InvalidArgument(f"n x max_tokens = {n} x {max_tokens} = {n * max_tokens} exceeds "
                               f"{limits.max_total_tokens} (--max-total-tokens): lower n or set a smaller max_tokens")
 

@@ -91,8 +91,9 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     server = _cert("localhost", server_key, ca.subject, ca_key, ca=False, usage=ExtendedKeyUsageOID.SERVER_AUTH,
                    server=True)
     client = _cert("gateway", client_key, ca.subject, ca_key, ca=False, usage=ExtendedKeyUsageOID.CLIENT_AUTH)
-    return Pki(_write(root / "ca.pem", ca), _write(root / "server.pem", server), _write(root / "server.key", server_key),
-               _write(root / "client.pem", client), _write(root / "client.key", client_key),
+    return Pki(_write(root / "ca.pem", ca), _write(root / "server.pem", server),
+               _write(root / "server.key", server_key), _write(root / "client.pem", client),
+               _write(root / "client.key", client_key),
                _write(root / "other.pem", other))
 
 

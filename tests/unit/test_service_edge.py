@@ -189,9 +189,11 @@ def test_limits_are_invalid_argument_naming_the_flag(request_: pb.GenerateReques
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and words in error.details(), error.details()
         ok = await stub.Generate(pb.GenerateRequest(text="fine", n=2, stopping=pb.StoppingParameters(max_tokens=25)))
         assert len(ok.choices) == 2
+        one = await stub.Generate(pb.GenerateRequest(text="one", stopping=pb.StoppingParameters(max_tokens=60)))
+        assert one.usage.completion_tokens == 60  # n = 1: bounded by the context alone
 
     serve(body, fake, replace(CONFIG, limits=LIMITS))
-    assert len(fake.added) == 1  # only the request within the limits reached the engine
+    assert len(fake.added) == 2  # only the requests within the limits reached the engine
 
 
 # ---- error messages --------------------------------------------------------------------------
