@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from forge_gateway import convert
+from forge_gateway import convert, dial
 from forge_gateway.config import GatewayConfig
 from forge_gateway.errors import GatewayError, from_grpc, internal_error, validation_error
 from forge_gateway.models import ChatCompletionRequest, CompletionRequest
@@ -44,7 +44,7 @@ def create_app(config: GatewayConfig, channel: grpc.aio.Channel | None = None) -
         if channel is not None:
             yield
             return
-        own = grpc.aio.insecure_channel(config.target, options=CHANNEL_OPTIONS)
+        own = dial.open_channel(config, CHANNEL_OPTIONS)
         app.state.stub = pb_grpc.ForgeStub(own)
         try:
             yield
