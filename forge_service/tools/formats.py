@@ -35,7 +35,8 @@ class ToolCallFormat:
         """The text the model would have written for these (name, arguments object) calls."""
         objects = [json.dumps({"name": n, self.arguments_key: a}, ensure_ascii=False) for n, a in calls]
         if self.list_in_region:
-            return f"{self.start}[{', '.join(objects)}]{self.end}"
+            inner = self.separator.join(objects)
+            return f"{self.start}[{inner}]{self.end}" if self.start else inner
         return self.separator.join(f"{self.start}{o}{self.end}" for o in objects)
 
 
