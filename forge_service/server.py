@@ -55,6 +55,7 @@ class _Prepared:
     request_id: str
     prompt: list[int]
     params: Any
+    output: convert.OutputProcessor  # tool-call parsing, the after-the-fact schema check
 
 
 class ForgeServicer(pb_grpc.ForgeServicer):
@@ -66,7 +67,7 @@ class ForgeServicer(pb_grpc.ForgeServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         async with self._rpc(context) as model:
             prepared = await _prepare(request, model)
-            result = convert.GenerateAccumulator(prepared.request_id, model.name, len(prepared.prompt))
+            result = convert.GenerateAccumulator(prepared.request_id, model.name, len(prepared.prompt), prepared.output)
             async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
                 async for output in outputs:
                     result.add(output)
@@ -75,7 +76,7 @@ class ForgeServicer(pb_grpc.ForgeServicer):
     async def Stream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         async with self._rpc(context) as model:
             prepared = await _prepare(request, model)
-            encoder = convert.StreamEncoder(prepared.request_id, len(prepared.prompt))
+            encoder = convert.StreamEncoder(prepared.request_id, len(prepared.prompt), prepared.output)
             async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
                 async for output in outputs:
                     for message in encoder.messages(output):
@@ -115,12 +116,14 @@ class ForgeServicer(pb_grpc.ForgeServicer):
 async def _prepare(request: pb.GenerateRequest, model: LoadedModel) -> _Prepared:
     if request.model and request.model != model.name:
         raise ModelNotFound(f"model {request.model!r} is not served here; this server serves {model.name!r}")
-    params = convert.sampling_params(request)
+    tools = convert.tools(request, model.tokenizer)
+    params = convert.sampling_params(request, tools)
     params.validate(model.tokenizer.vocab_size)
-    prompt = convert.prompt_token_ids(request, model.tokenizer, model.max_model_len)
+    prompt = convert.prompt_token_ids(request, model.tokenizer, model.max_model_len, tools)
     model.engine.validate(prompt, params)  # prompt + max_tokens against the context and the KV cache
     await model.engine.compile_constraint(params)  # structured output: compiled before it is queued
-    return _Prepared(request.request_id or uuid.uuid4().hex, prompt, params)
+    request_id = request.request_id or uuid.uuid4().hex
+    return _Prepared(request_id, prompt, params, convert.output_processor(request, request_id, tools))
 
 
 def _args(prepared: _Prepared) -> tuple[str, list[int], Any]:

@@ -39,12 +39,13 @@ def _json_schema(spec: str) -> str:
         schema = json.loads(spec)
     except (json.JSONDecodeError, RecursionError) as e:
         raise InvalidArgument(f"json_schema is not valid JSON: {e}") from e
-    return llguidance.LLMatcher.grammar_from_json_schema(prepare_schema(schema, "json_schema"))
+    return llguidance.LLMatcher.grammar_from_json_schema(prepare_schema(schema, "json_schema")[0])
 
 
-def prepare_schema(schema: Any, what: str) -> dict[str, Any]:
+def prepare_schema(schema: Any, what: str) -> tuple[dict[str, Any], list[str]]:
     """The schema llguidance compiles, with Forge's JSON options set in it (overriding any of the
-    schema's own "x-guidance"): exact when llguidance can, else approximated and logged."""
+    schema's own "x-guidance"): exact when llguidance can, else approximated (and logged); the
+    second item lists the approximations, empty when exact."""
     check_schema(schema)
     if isinstance(schema, bool):
         if not schema:
@@ -54,21 +55,21 @@ def prepare_schema(schema: Any, what: str) -> dict[str, Any]:
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         llguidance.LLMatcher.grammar_from_json_schema(exact))
     if not failed:
-        return exact
+        return exact, []
     relaxed, notes = relax(schema)
     approximate = {**relaxed, "x-guidance": LENIENT_OPTIONS}
     failed, warnings = llguidance.LLMatcher.validate_grammar_with_warnings(
         llguidance.LLMatcher.grammar_from_json_schema(approximate))
     if failed:
         raise InvalidArgument(f"{what}: unsupported or unsatisfiable JSON Schema: {'; '.join(warnings or messages)}")
-    log.info("%s approximated for the grammar (the output is validated afterwards): %s", what,
-             "; ".join(notes + warnings))
-    return approximate
+    notes += warnings
+    log.info("%s approximated for the grammar (the output is validated afterwards): %s", what, "; ".join(notes))
+    return approximate, notes
 
 
 def _tool_calls(spec: str) -> str:
     grammar = lark_grammar(ToolGrammarSpec.from_json(spec),
-                           lambda schema: json.dumps(prepare_schema(schema, "tool parameters")))
+                           lambda schema: json.dumps(prepare_schema(schema, "tool parameters")[0]))
     return llguidance.LLMatcher.grammar_from_lark(grammar)
 
 

@@ -37,7 +37,7 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 def check_schema(schema: Any) -> None:
     """Raise InvalidArgument unless `schema` is valid under its metaschema (default 2020-12)."""
     if not isinstance(schema, (dict, bool)):
-        raise InvalidArgument("a JSON Schema must be an object or a boolean")
+        raise InvalidArgument("a JSON Schema must be a JSON object or a boolean")
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         cls.check_schema(schema)
