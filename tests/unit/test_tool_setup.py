@@ -159,3 +159,37 @@ def test_schema_helpers() -> None:
         "keywords beside $ref #/$defs/x ignored: minItems"]
     validator = OutputValidator({"type": "object", "required": ["a"]})
     assert validator.errors('{"a": 1}') == [] and validator.errors("{}") and validator.errors("{")
+
+
+def test_stream_and_generate_carry_the_same_calls(monkeypatch) -> None:
+    """The servicer's encoders: chunks carry content and call pieces, finals and choices the whole calls."""
+    from tests.unit.fakes import CompletionOutput, RequestOutput
+
+    setup = tool_setup(request(), SMOL)
+    text = 'Checking. <tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'
+    pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
+
+    def outputs():
+        for k, piece in enumerate(pieces):
+            done = k == len(pieces) - 1
+            yield RequestOutput("r", [1], [CompletionOutput(0, piece, [k], None, "stop" if done else None,
+                                                            2 if done else None)], done)
+
+    ids = iter(f"call_{i}" for i in range(9))
+    monkeypatch.setattr("forge_service.tools.output.new_call_id", lambda: next(ids))
+    encoder = convert.StreamEncoder("r", 1, convert.output_processor(request(), "r", setup))
+    messages = [m for o in outputs() for m in encoder.messages(o)]
+    accumulator = convert.GenerateAccumulator("r", "m", 1, convert.output_processor(request(), "r", setup))
+    for o in outputs():
+        accumulator.add(o)
+    [choice] = accumulator.response().choices
+    assert choice.text == "Checking." and choice.finish_reason == pb.FINISH_REASON_TOOL_CALLS
+    assert [(c.name, c.arguments) for c in choice.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+    chunks = [m.chunk for m in messages if m.HasField("chunk")]
+    assert "".join(c.text for c in chunks) == "Checking."
+    deltas = [d for c in chunks for d in c.tool_calls]
+    assert deltas[0].name == "get_weather" and deltas[0].id == "call_0"
+    assert "".join(d.arguments for d in deltas) == '{"city": "Paris"}'
+    final = messages[-1].final
+    assert final.finish_reason == pb.FINISH_REASON_TOOL_CALLS and final.tool_calls[0].arguments == '{"city": "Paris"}'
+    assert sum(len(c.token_ids) for c in chunks) == len(pieces)
