@@ -68,7 +68,7 @@ def drive(m: GrammarMatcher, tokens: list[int]) -> bool:
     ("json_schema", "[1, 2]", "JSON object"),
     ("json_schema", '{"type": "strin"}', "strin"),
     ("json_schema", '{"$ref": "#/$defs/missing"}', "missing"),
-    ("json_schema", '{"type": "string", "pattern": "(a"}', "pattern"),
+    ("json_schema", '{"type": "string", "pattern": "(a"}', "unclosed group"),
     ("json_schema", '{"type": "string", "minLength": 5, "maxLength": 2}', "Unsatisfiable"),
     ("json_schema", '{"allOf": [{"type": "string"}, {"type": "integer"}]}', "Unsatisfiable"),
     ("json_schema", "false", "matches nothing"),
