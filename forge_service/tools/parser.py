@@ -77,12 +77,12 @@ class _Object:
         elif ch in "}]":
             self.depth -= 1
             if self.depth == 0:
-                self._end_value(at)
+                self.end_value(at)
                 return True
         elif self.depth == 1 and ch == ":":
             self.expect_key = False
         elif self.depth == 1 and ch == ",":
-            self._end_value(at)
+            self.end_value(at)
             self.expect_key = True
         elif not ch.isspace():
             self._maybe_value_start(at)
@@ -104,14 +104,13 @@ class _Object:
         if depth == 1 and not self.expect_key and self.value_start < 0 and self.key is not None:
             self.value_start = at
 
-    def _end_value(self, at: int) -> None:
+    def end_value(self, at: int) -> None:
         if self.key is not None and self.value_start >= 0:
             self.values[self.key] = self.text[self.value_start:at].strip()
         self.key, self.value_start = None, -1
 
     def string_value_started(self) -> bool:
         return self.value_start >= 0 and self.text[self.value_start] == '"'
-
 
 
 def _loads_str(raw: str) -> str | None:
@@ -217,15 +216,14 @@ class ToolCallParser:
         i = 0
         while i < len(self._buf):
             if self._end and (obj is None or not obj.in_string):
-                rest = self._buf[i:]
-                if rest.startswith(self._end):
+                if self._buf.startswith(self._end, i):
                     self._consume(i)
                     self._buf = self._buf[len(self._end):]
                     if obj is not None:
                         self._close_object()
                     self._in_region, self._strip_lead = False, True
                     return True
-                if self._end.startswith(rest):  # maybe the end tag: wait for more text
+                if len(self._buf) - i < len(self._end) and self._end.startswith(self._buf[i:]):  # wait for more
                     self._consume(i)
                     return False
             ch = self._buf[i]
@@ -283,7 +281,7 @@ class ToolCallParser:
         obj = self._object
         assert obj is not None
         if obj.depth > 0 and not obj.in_string:  # cut short (end tag or end of output)
-            obj._end_value(len(obj.text))
+            obj.end_value(len(obj.text))
         self._announce(obj, closed=True)
         self._object = None
 
