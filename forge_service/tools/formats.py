@@ -74,6 +74,13 @@ def uses_tools_variable(template_source: str | None) -> bool:
     return bool(template_source) and re.search(r"\btools\b", template_source) is not None
 
 
+def renders_tools_natively(template_source: str | None) -> bool:
+    """Whether Forge passes tools to the template itself: it renders `tools` and its call format is
+    a known one. Otherwise Forge's default tool prompt and format are used, so that the format the
+    model is told about is the one the parser and the grammar expect."""
+    return uses_tools_variable(template_source) and select_format(template_source).name != "default"
+
+
 def select_format(template_source: str | None, name: str | None = None) -> ToolCallFormat:
     """The format named `name`, else the first whose test matches the template, else `default`.
     A template that cannot render tools always gets `default`, since its prompt is Forge's."""

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from forge_service.errors import InvalidArgument
 from forge_service.pb import forge_pb2 as pb
-from forge_service.tools.formats import DEFAULT_TOOL_PROMPT, ToolCallFormat, select_format, uses_tools_variable
+from forge_service.tools.formats import DEFAULT_TOOL_PROMPT, ToolCallFormat, renders_tools_natively, select_format
 from forge_service.tools.setup import ToolSetup
 
 
@@ -21,7 +21,7 @@ def template_inputs(messages: Sequence[pb.ChatMessage], setup: ToolSetup | None,
                     template_source: str | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(messages, extra template variables). Raises InvalidArgument for a tool message that
     answers no earlier call, or call arguments that are not a JSON object."""
-    native = setup.native_template if setup else uses_tools_variable(template_source)
+    native = setup.native_template if setup else renders_tools_natively(template_source)
     fmt = setup.format if setup else select_format(template_source)
     names: dict[str, str] = {}  # call id -> function name, from earlier assistant messages
     out = [_message(i, m, native, fmt, names) for i, m in enumerate(messages)]

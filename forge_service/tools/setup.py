@@ -10,7 +10,7 @@ from forge_service.errors import InvalidArgument
 from forge_service.pb import forge_pb2 as pb
 from forge_service.structured.constraint import Constraint
 from forge_service.structured.schema import check_schema, close_objects
-from forge_service.tools.formats import ToolCallFormat, select_format, uses_tools_variable
+from forge_service.tools.formats import ToolCallFormat, renders_tools_natively, select_format
 from forge_service.tools.grammar import ToolGrammarSpec
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -83,7 +83,7 @@ def tool_setup(request: pb.GenerateRequest, template_source: str | None,
                               "constraint (response_format); set tool_choice to none or drop one of them")
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
     return ToolSetup(tools, mode, function, parallel, select_format(template_source, format_name),
-                     uses_tools_variable(template_source))
+                     renders_tools_natively(template_source))
 
 
 def _tools(tools: Any) -> tuple[ToolDef, ...]:

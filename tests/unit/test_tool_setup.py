@@ -65,6 +65,8 @@ def test_modes_and_constraints() -> None:
     none = tool_setup(request(choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_NONE), json_schema="{}"), SMOL)
     assert none.constraint() is None  # none combines with response_format
     assert tool_setup(request(parallel_tool_calls=False), SMOL).parallel is False
+    unknown = tool_setup(request(), "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}{% endif %}")
+    assert unknown.format.name == "default" and not unknown.native_template  # Forge's prompt, not the template's
 
 
 def test_strict_tool_parameters_are_closed() -> None:
