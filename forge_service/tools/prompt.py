@@ -1,6 +1,6 @@
 """Chat messages with tools -> the chat template's inputs.
 
-A template that renders `tools` itself (`native`) gets them the way Hugging Face templates
+A template that renders `tools` itself in a known call format (`native`) gets them the way Hugging Face templates
 expect: `tools=[{"type": "function", "function": {...}}]`, assistant messages with
 `tool_calls` (arguments as objects) and `tool` messages with `tool_call_id`. Any other template
 gets Forge's default tool prompt (formats.DEFAULT_TOOL_PROMPT) in the system message, assistant
