@@ -5,6 +5,7 @@ tokenizer_config.json, generation_config.json). Encodes and decodes as transform
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -41,8 +42,12 @@ class Tokenizer:
         self.add_bos = self.bos_token_id is not None and backend.encode("").ids[:1] == [self.bos_token_id]
         self.chat_template = chat_template
         self._template = ChatTemplate(chat_template, self.special_tokens) if chat_template else None
-        self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
-        self._added_ids = frozenset(backend.get_added_tokens_decoder())
+        added = backend.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._added_ids = frozenset(added)
+        specials = sorted({t.content for t in added.values() if t.special and t.content}, key=len, reverse=True)
+        # Longest first, so an alternation matches as tokenizers' added-token matcher does (leftmost-longest).
+        self._special_pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
 
     # --- construction ------------------------------------------------------------------------------
 
@@ -126,12 +131,78 @@ class Tokenizer:
         return template.render(messages, add_generation_prompt, **kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
-        """Render then encode without adding BOS/EOS: the template writes them (as transformers does)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
-                           add_special_tokens=False)
+        """Render then encode without adding BOS/EOS: the template writes them (as transformers does).
+
+        Control tokens come only from the template. A special token's text written inside the
+        messages (content, names) or tools, such as "<|im_start|>" typed by a user, is encoded as
+        plain text, so a message can never fake a turn of another role.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        data = (messages, kwargs.get("tools"), kwargs.get("documents"))
+        if self._special_pattern is None or not _mentions(data, self._special_pattern):
+            return self.encode(text, add_special_tokens=False)  # nothing to tell apart: the common case
+        defused = _defuse(data, self._special_pattern)
+        shadow = self.apply_chat_template(defused[0], add_generation_prompt,
+                                          **{**kwargs, "tools": defused[1], "documents": defused[2]})
+        return self._encode_with_controls(text, self._template_controls(text, shadow))
+
+    def _template_controls(self, text: str, shadow: str) -> list[re.Match]:
+        """The special tokens of `text` that the template wrote: those `shadow` (the same render
+        with every special token inside the messages replaced by private-use characters) has too."""
+        own, expected, at = [], [], 0  # `expected`: text with the messages' special tokens defused
+        for m in self._special_pattern.finditer(text):
+            if shadow[m.start():m.end()] == m.group():
+                own.append(m)
+            else:
+                expected += [text[at:m.start()], _DEFUSE * len(m.group())]
+                at = m.end()
+        if "".join(expected) + text[at:] != shadow:  # the template did more than copy the messages
+            raise InvalidArgument("the chat template renders messages that contain special tokens differently; "
+                                  "remove special tokens such as <|...|> from the messages")
+        return own
+
+    def _encode_with_controls(self, text: str, controls: list[re.Match]) -> list[int]:
+        ids, at = [], 0
+        for m in controls:
+            ids += self._text_only.encode(text[at:m.start()], add_special_tokens=False).ids
+            ids.append(self.backend.token_to_id(m.group()))
+            at = m.end()
+        return ids + self._text_only.encode(text[at:], add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _text_only(self) -> BackendTokenizer:
+        """A copy of the backend that encodes special tokens' text as ordinary text."""
+        backend = BackendTokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
 
     def _id_of(self, token: str | None) -> int | None:
         return self.backend.token_to_id(token) if token is not None else None
+
+
+_DEFUSE = "\ue000"  # a private-use character: stands in for each character of a defused special token
+
+
+def _mentions(value: Any, pattern: re.Pattern) -> bool:
+    """Whether any string inside `value` (dicts, lists, tuples) contains a special token."""
+    if isinstance(value, str):
+        return pattern.search(value) is not None
+    if isinstance(value, dict):
+        return any(_mentions(k, pattern) or _mentions(v, pattern) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_mentions(v, pattern) for v in value)
+    return False
+
+
+def _defuse(value: Any, pattern: re.Pattern) -> Any:
+    """`value` with every special token in its strings replaced by as many private-use characters."""
+    if isinstance(value, str):
+        return pattern.sub(lambda m: _DEFUSE * len(m.group()), value)
+    if isinstance(value, dict):
+        return {_defuse(k, pattern): _defuse(v, pattern) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_defuse(v, pattern) for v in value)
+    return value
 
 
 def _read_json(path: str) -> dict:
