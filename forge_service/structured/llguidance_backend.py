@@ -23,13 +23,31 @@ from forge_service.structured.constraint import Constraint
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
                 "lenient": False, "coerce_one_of": False}
 MASK_THREADS = 2  # LLExecutor threads for batched mask fills
+# Work bounds for grammars from clients, below llguidance's defaults (measured on this project's
+# 2-core CPU): building the lexer takes at most ~0.2 s, one step's mask (on the engine's step)
+# at most ~40 ms, and a grammar's lexer at most ~40 MB. Every schema in
+# tests/integration/structured_schemas.py fits well inside them. A grammar over a limit is
+# refused at compile time when the limit is hit there, or ends its request when hit mid-output.
+PARSER_LIMITS = dict(initial_lexer_fuel=200_000, step_lexer_fuel=50_000, max_lexer_states=20_000,
+                     max_grammar_size=100_000, step_max_items=20_000, verbose_errors=False)
+
+
+MAX_REASON_CHARS = 400  # llguidance quotes the grammar in its errors; keep the message small
+
+
+def _reason(error: object) -> str:
+    """llguidance's error text, cut to MAX_REASON_CHARS: it may quote a client's whole spec."""
+    text = str(error)
+    if len(text) <= MAX_REASON_CHARS:
+        return text
+    return f"{text[:MAX_REASON_CHARS]}... ({len(text) - MAX_REASON_CHARS} more characters)"
 
 
 def _json_schema(spec: str) -> str:
     try:
         schema = json.loads(spec)
     except (json.JSONDecodeError, RecursionError) as e:
-        raise InvalidArgument(f"json_schema is not valid JSON: {e}") from e
+        raise InvalidArgument(f"json_schema is not valid JSON: {_reason(e)}") from e
     if schema is True:
         schema = {}  # the boolean schema `true` admits every JSON value
     if not isinstance(schema, dict):
@@ -45,7 +63,7 @@ def _choice(spec: str) -> str:
     try:
         choices = json.loads(spec)
     except json.JSONDecodeError as e:
-        raise InvalidArgument(f"choice is not a JSON list: {e}") from e
+        raise InvalidArgument(f"choice is not a JSON list: {_reason(e)}") from e
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise InvalidArgument("choice must be a non-empty JSON list of non-empty strings")
     return llguidance.grammar_from("choice", choices)
@@ -108,18 +126,21 @@ class LLGuidanceBackend:
         # n_vocab is the model's logit width; ids past the tokenizer's own are never allowed.
         self._tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
+        self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
 
     def compile(self, constraint: Constraint) -> LLGuidanceGrammar:
         try:
             grammar = GRAMMAR_BUILDERS[constraint.kind](constraint.spec)
         except ValueError as e:
-            raise InvalidArgument(f"invalid {constraint.kind}: {e}") from e
+            raise InvalidArgument(f"invalid {constraint.kind}: {_reason(e)}") from e
         # Parsing happens here and drops the GIL; errors leave the matcher in an error state.
-        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
-        if template.is_error():
-            raise InvalidArgument(f"unsupported or invalid {constraint.kind}: {template.get_error()}")
+        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
         # The first mask builds the lexer's start state (~0.5 ms); do it here, off the step loop.
-        template.compute_bitmask()
+        # A grammar that cannot start (a $ref cycle, a limit hit) errors there, and is refused.
+        if not template.is_error():
+            template.compute_bitmask()
+        if template.is_error():
+            raise InvalidArgument(f"unsupported or invalid {constraint.kind}: {_reason(template.get_error())}")
         return LLGuidanceGrammar(template)
 
     def fill_bitmasks(self, matchers: Sequence[LLGuidanceMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
