@@ -111,7 +111,7 @@ class LLMEngine:
         children = [self._child(request_id, prompt_token_ids, params, i) for i in range(params.n)]
         self.parents[request_id] = _Parent(request_id, list(prompt_token_ids), [c.request_id for c in children])
         for child in children:
-            self.processors[child.request_id] = CompletionProcessor(self.tokenizer, child, self.token_texts)
+            self.processors[child.request_id] = CompletionProcessor(self.tokenizer, child, self.token_texts, grammar)
             if grammar is not None:  # each completion its own matcher
                 self.runner.grammars.add(child.request_id, grammar)
             self.scheduler.add(child)
@@ -131,6 +131,9 @@ class LLMEngine:
         """Raise InvalidArgument for bad parameters or a request that cannot fit; thread-safe
         (reads only state fixed at load time)."""
         params.validate(self.arch.vocab_size)
+        if params.constraint is not None and set(params.stop_token_ids) - set(self.eos_token_ids):
+            raise InvalidArgument("stop_token_ids cannot be combined with structured output: a stop token could "
+                                  "cut the output short of its grammar (stop strings end it only where it is complete)")
         if not prompt:
             raise InvalidArgument("the prompt is empty: it needs at least one token")
         bad = [t for t in prompt if not 0 <= t < self.arch.vocab_size]

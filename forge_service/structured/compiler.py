@@ -45,6 +45,10 @@ class CompiledGrammar:
     eos_token_ids: frozenset[int]
     eos_only_row: torch.Tensor  # [W] int32: the mask of a terminated matcher
 
+    def accepts(self, text: str) -> bool:
+        """Whether `text` is a complete output: the grammar would allow EOS right after it."""
+        return self.grammar.accepts_text(text)
+
 
 class GrammarCompiler:
     """Compiles constraints for one tokenizer; thread-safe.

@@ -110,11 +110,18 @@ class LLGuidanceMatcher:
 
 
 class LLGuidanceGrammar:
-    def __init__(self, template: llguidance.LLMatcher) -> None:
+    def __init__(self, template: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer) -> None:
         self._template = template
+        self._tokenizer = tokenizer
 
     def matcher(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self._template)
+
+    def accepts_text(self, text: str) -> bool:
+        # The parser works on bytes, so any tokenization of the text is as good as the sampled one.
+        m = self._template.deep_copy()
+        tokens = self._tokenizer.tokenize_str(text)
+        return m.try_consume_tokens(tokens) == len(tokens) and m.is_accepting()
 
 
 class LLGuidanceBackend:
@@ -141,7 +148,7 @@ class LLGuidanceBackend:
             template.compute_bitmask()
         if template.is_error():
             raise InvalidArgument(f"unsupported or invalid {constraint.kind}: {_reason(template.get_error())}")
-        return LLGuidanceGrammar(template)
+        return LLGuidanceGrammar(template, self._tokenizer)
 
     def fill_bitmasks(self, matchers: Sequence[LLGuidanceMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         assert bitmask.dtype == torch.int32 and bitmask.is_cpu and bitmask.is_contiguous()

@@ -77,6 +77,40 @@ def test_json_schema_output_parses(llm):
         assert set(value) == {"name", "ok"} and isinstance(value["ok"], bool) and len(value["name"]) <= 5
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_ends_constrained_output_only_where_it_is_complete(llm, include):
+    """Every output that finishes with `stop` parses: a stop string inside unfinished JSON is text."""
+    stops = ['"', "}", ",", ": "]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=48, constraint=PERSON, stop=stops,
+                             include_stop_str_in_output=include) for i in range(6)]
+    outs = [c for o in llm.generate(prompts(6), params) for c in o.outputs]
+    stopped = [c for c in outs if c.finish_reason == "stop"]
+    assert stopped
+    for c in stopped:
+        value = json.loads(c.text)
+        assert set(value) == {"name", "ok"}
+        # without the stop in the output nothing before a stop is a whole object: EOS ends it;
+        # with it, the closing brace is the stop
+        assert c.stop_reason == ("}" if include else EOS), (c.text, c.stop_reason)
+
+
+def test_a_stop_string_still_ends_constrained_output_where_the_grammar_may_end(llm):
+    regex = Constraint("regex", "[a-c]{1,3}(x[a-c]{1,3}){0,4}")
+    outs = llm.generate(prompts(6), [SamplingParams(temperature=1.0, seed=i, max_tokens=30, constraint=regex,
+                                                    stop=["x"]) for i in range(6)])
+    by_string = [c for o in outs for c in o.outputs if c.stop_reason == "x"]
+    assert by_string  # the random model writes an "x" in some of them
+    for c in by_string:
+        assert re.fullmatch("[a-c]{1,3}", c.text), c.text
+
+
+def test_stop_token_ids_other_than_eos_are_refused_with_a_constraint(llm):
+    with pytest.raises(InvalidArgument, match="stop_token_ids cannot be combined with structured output"):
+        llm.generate(prompts(1), SamplingParams(max_tokens=8, constraint=PERSON, stop_token_ids=[40]))
+    out = llm.generate(prompts(1), SamplingParams(max_tokens=48, constraint=PERSON, stop_token_ids=[EOS]))
+    assert out[0].outputs[0].finish_reason in ("stop", "length")
+
+
 def test_unconstrained_rows_equal_their_solo_runs(llm):
     free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     seeded = SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True, logprobs=3)

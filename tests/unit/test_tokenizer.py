@@ -431,6 +431,27 @@ def test_stop_holds_possible_prefix_then_matches():
     assert m.feed("more") == ("", None)
 
 
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("include, expected", [(False, ('{"a": {"b": "}"}}', None)),
+                                               (True, ('{"a": {"b": "}"}}', "}"))])
+def test_stop_only_where_the_output_may_end(include, expected):
+    """With can_end (structured output), a stop match where the output could not end is plain text."""
+    m = StopStringMatcher(["}", '"}'], include, can_end=_parses)
+    text, matched = "", None
+    for ch in '{"a": {"b": "}"}}':
+        out, hit = m.feed(ch)
+        text, matched = text + out, matched or hit
+    assert (text + m.flush(), matched) == expected
+    assert StopStringMatcher(["}"], True, can_end=_parses).feed('{"a": 1}, {"b": 2}') == ('{"a": 1}', "}")
+
+
 def test_stop_include_in_output():
     m = StopStringMatcher(["stop"], include_stop_str_in_output=True)
     assert m.feed("hello st") == ("hello ", None)
