@@ -111,6 +111,18 @@ def test_stop_token_ids_other_than_eos_are_refused_with_a_constraint(llm):
     assert out[0].outputs[0].finish_reason in ("stop", "length")
 
 
+def test_a_grammar_that_hits_a_work_limit_mid_output_ends_only_its_own_request(llm):
+    """A nested counter compiles, then exhausts the lexer's limits on its first tokens: that request
+    ends (`abort`), and the request beside it gets exactly its solo output."""
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    solo = llm.generate(prompts(2)[1:], free)[0].outputs[0].token_ids
+    limit = SamplingParams(temperature=0, max_tokens=12, constraint=Constraint("regex", "((a{100}){100}){100}"))
+    hit, other = llm.generate(prompts(2), [limit, free])
+    assert hit.outputs[0].finish_reason == "abort" and len(hit.outputs[0].token_ids) < 12
+    assert other.outputs[0].token_ids == solo
+    assert not llm.engine.has_unfinished_requests() and len(llm.engine.runner.grammars) == 0
+
+
 def test_unconstrained_rows_equal_their_solo_runs(llm):
     free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     seeded = SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True, logprobs=3)
