@@ -88,7 +88,10 @@ class LLMEngine:
         self.model_name = config.model.served_model_name or _name_from_path(path)
         self.eos_token_ids = tuple(ckpt.arch.eos_token_ids or self.tokenizer.eos_token_ids)
         # Structured output: masks are as wide as the logits; the backend is built on first compile.
-        self.grammar_compiler = GrammarCompiler(self.tokenizer.backend, ckpt.arch.vocab_size, self.eos_token_ids)
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer.backend, ckpt.arch.vocab_size, self.eos_token_ids,
+            max_spec_bytes=config.structured.max_grammar_bytes,
+            compile_timeout_s=config.structured.grammar_compile_timeout_s)
         self.runner.grammars = MatcherSet(self.grammar_compiler)
         self.token_texts = TokenTexts(self.tokenizer)
         self.processors: dict[str, CompletionProcessor] = {}

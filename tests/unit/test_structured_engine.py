@@ -123,6 +123,19 @@ def test_a_grammar_that_hits_a_work_limit_mid_output_ends_only_its_own_request(l
     assert not llm.engine.has_unfinished_requests() and len(llm.engine.runner.grammars) == 0
 
 
+def test_the_engine_takes_its_grammar_limits_from_the_config(tiny_dir):
+    from forge_service.config import EngineConfig, ModelConfig, StructuredConfig
+    from forge_service.engine.engine import LLMEngine
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_dir), dtype="float32"),
+                                    structured=StructuredConfig(max_grammar_bytes=64, grammar_compile_timeout_s=0.25)))
+    try:
+        assert (engine.grammar_compiler.max_spec_bytes, engine.grammar_compiler.compile_timeout_s) == (64, 0.25)
+        with pytest.raises(InvalidArgument, match="65 bytes; the limit is 64"):
+            engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, constraint=Constraint("regex", "a" * 65)))
+    finally:
+        engine.grammar_compiler.shutdown()
+
+
 def test_unconstrained_rows_equal_their_solo_runs(llm):
     free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     seeded = SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True, logprobs=3)

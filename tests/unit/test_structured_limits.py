@@ -6,6 +6,7 @@ Runs on the default model's real tokenizer (the GGUF vocabulary; no weights are 
 """
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 import time
@@ -195,3 +196,15 @@ def test_the_server_answers_hostile_constraints_fast_and_stays_healthy(compiler)
     assert all(a[2] < 1000 for a in answers[1:])  # no error quotes a spec whole
     assert health.ready and ok.choices[0].text == "xy"
 
+
+
+def test_flags_and_variables_set_the_grammar_limits():
+    from forge_service.__main__ import add_arguments, configs_from_args
+    from forge_service.config import StructuredConfig, engine_config_from_env
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--max-grammar-bytes", "1000", "--grammar-compile-timeout-s", "0.25"])
+    assert configs_from_args(args)[0].structured == StructuredConfig(1000, 0.25)
+    env = {"FORGE_MAX_GRAMMAR_BYTES": "7", "FORGE_GRAMMAR_COMPILE_TIMEOUT_S": "2"}
+    assert engine_config_from_env(env).structured == StructuredConfig(7, 2.0)
+    assert engine_config_from_env({}).structured == StructuredConfig(128 * 1024, 0.5)
