@@ -11,7 +11,7 @@ import os
 import re
 from typing import Any
 
-from tokenizers import Tokenizer as BackendTokenizer, decoders
+from tokenizers import AddedToken, Tokenizer as BackendTokenizer, decoders
 
 from forge_service.errors import InvalidArgument, ModelLoadError
 from forge_service.tokenizer.chat_template import ChatTemplate
@@ -162,25 +162,38 @@ class Tokenizer:
         return own
 
     def _encode_with_controls(self, text: str, controls: list[re.Match]) -> list[int]:
-        ids, at = [], 0
+        """`text` encoded as one piece (so it splits into sections exactly as `encode` would), the
+        `controls` as their control tokens and every other special token's text as plain text."""
+        if _SENTINEL_MARK in text:
+            raise InvalidArgument("the prompt contains the reserved characters U+E001 U+E002")
+        backend, controls_of = self._text_only
+        parts, at = [], 0
         for m in controls:
-            ids += self._text_only.encode(text[at:m.start()], add_special_tokens=False).ids
-            ids.append(self.backend.token_to_id(m.group()))
+            parts += [text[at:m.start()], _SENTINEL.format(self.backend.token_to_id(m.group()))]
             at = m.end()
-        return ids + self._text_only.encode(text[at:], add_special_tokens=False).ids
+        ids = backend.encode("".join(parts) + text[at:], add_special_tokens=False).ids
+        return [controls_of.get(i, i) for i in ids]
 
     @functools.cached_property
-    def _text_only(self) -> BackendTokenizer:
-        """A copy of the backend that encodes special tokens' text as ordinary text."""
+    def _text_only(self) -> tuple[BackendTokenizer, dict[int, int]]:
+        """A copy of the backend that encodes special tokens' text as ordinary text, plus one
+        non-special stand-in per special token (same matching flags, so it splits the text the same
+        way) and the map from each stand-in's id back to its special token's id."""
         backend = BackendTokenizer.from_str(self.backend.to_str())
-        backend.encode_special_tokens = True
-        return backend
+        backend.encode_special_tokens = True  # non-special added tokens are still matched
+        specials = {i: t for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+        stand_ins = [AddedToken(_SENTINEL.format(i), special=False, normalized=False, lstrip=t.lstrip,
+                                rstrip=t.rstrip, single_word=t.single_word) for i, t in specials.items()]
+        backend.add_tokens(stand_ins)
+        return backend, {backend.token_to_id(a.content): i for a, i in zip(stand_ins, specials)}
 
     def _id_of(self, token: str | None) -> int | None:
         return self.backend.token_to_id(token) if token is not None else None
 
 
 _DEFUSE = "\ue000"  # a private-use character: stands in for each character of a defused special token
+_SENTINEL_MARK = "\ue001\ue002"
+_SENTINEL = _SENTINEL_MARK + "{}\ue003"  # stands in for the template's control token of this id while encoding
 
 
 def _mentions(value: Any, pattern: re.Pattern) -> bool:
