@@ -26,6 +26,10 @@ ENGINE_FLAGS = [
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget per step"),
     ("--max-num-seqs", "max_num_seqs", int, "most requests running at once"),
     ("--max-waiting", "max_waiting", int, "most requests waiting; past it RESOURCE_EXHAUSTED (0: unbounded)"),
+    ("--max-grammar-bytes", "max_grammar_bytes", int,
+     "largest structured-output schema, regex or grammar, in bytes; past it INVALID_ARGUMENT"),
+    ("--grammar-compile-timeout-s", "grammar_compile_timeout_s", float,
+     "time limit on compiling one structured-output constraint; past it INVALID_ARGUMENT"),
     ("--num-threads", "num_threads", int, "torch CPU threads (0: torch's default)"),
 ]
 SERVICE_FLAGS = [

@@ -41,10 +41,19 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredConfig:
+    # Largest schema, regex, choice list or grammar one request may send, in bytes.
+    max_grammar_bytes: int = 128 * 1024
+    # Wall-clock limit on compiling one constraint; past it the request gets INVALID_ARGUMENT.
+    grammar_compile_timeout_s: float = 0.5
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    structured: StructuredConfig = StructuredConfig()
     # torch intra-op threads on CPU; 0 keeps torch's default.
     num_threads: int = 0
 
@@ -147,5 +156,6 @@ def engine_config_from_env(env: Mapping[str, str] | None = None, **overrides: An
         model=from_env(ModelConfig, env, **pick(ModelConfig)),
         cache=from_env(CacheConfig, env, **pick(CacheConfig)),
         scheduler=from_env(SchedulerConfig, env, **pick(SchedulerConfig)),
+        structured=from_env(StructuredConfig, env, **pick(StructuredConfig)),
         num_threads=overrides.get("num_threads"),
     )

@@ -90,7 +90,10 @@ class LLMEngine:
         self.model_name = config.model.served_model_name or _name_from_path(path)
         self.eos_token_ids = tuple(ckpt.arch.eos_token_ids or self.tokenizer.eos_token_ids)
         # Structured output: masks are as wide as the logits; the backend is built on first compile.
-        self.grammar_compiler = GrammarCompiler(self.tokenizer.backend, ckpt.arch.vocab_size, self.eos_token_ids)
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer.backend, ckpt.arch.vocab_size, self.eos_token_ids,
+            max_spec_bytes=config.structured.max_grammar_bytes,
+            compile_timeout_s=config.structured.grammar_compile_timeout_s)
         self.runner.grammars = MatcherSet(self.grammar_compiler)
         self.token_texts = TokenTexts(self.tokenizer)
         self.processors: dict[str, CompletionProcessor] = {}
@@ -122,7 +125,7 @@ class LLMEngine:
         self.parents[request_id] = _Parent(request_id, list(prompt_token_ids), [c.request_id for c in children])
         try:
             for child in children:
-                self.processors[child.request_id] = CompletionProcessor(self.tokenizer, child, self.token_texts)
+                self.processors[child.request_id] = CompletionProcessor(self.tokenizer, child, self.token_texts, grammar)
                 if grammar is not None:  # each completion its own matcher
                     self.runner.grammars.add(child.request_id, grammar)
                 self.scheduler.add(child)
@@ -146,6 +149,9 @@ class LLMEngine:
         """Raise InvalidArgument for bad parameters or a request that cannot fit; thread-safe
         (reads only state fixed at load time)."""
         params.validate(self.arch.vocab_size)
+        if params.constraint is not None and set(params.stop_token_ids) - set(self.eos_token_ids):
+            raise InvalidArgument("stop_token_ids cannot be combined with structured output: a stop token could "
+                                  "cut the output short of its grammar (stop strings end it only where it is complete)")
         if not prompt:
             raise InvalidArgument("the prompt is empty: it needs at least one token")
         bad = [t for t in prompt if not 0 <= t < self.arch.vocab_size]

@@ -4,6 +4,7 @@ from __future__ import annotations
 from forge_service.engine.output_types import CompletionOutput, Logprob
 from forge_service.engine.request import Request, RequestStatus
 from forge_service.runner.model_runner import SampledToken
+from forge_service.structured.compiler import CompiledGrammar
 from forge_service.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 
@@ -25,10 +26,16 @@ class TokenTexts:
 class CompletionProcessor:
     """Turns one request's sampled tokens into text deltas; reports a matched stop string."""
 
-    def __init__(self, tokenizer: Tokenizer, request: Request, token_texts: TokenTexts) -> None:
+    def __init__(self, tokenizer: Tokenizer, request: Request, token_texts: TokenTexts,
+                 grammar: CompiledGrammar | None = None) -> None:
+        """`grammar`: the request's structured output. A stop string then ends the output only where
+        the text before it (with it, under include_stop_str_in_output) is complete for the grammar;
+        elsewhere it is ordinary text, so an output that finishes with `stop` always parses."""
         params = request.sampling_params
         self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params.skip_special_tokens)
-        self.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
+        can_end = grammar.accepts if grammar is not None else None
+        self.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output, can_end) \
+            if params.stop else None
         self.token_texts = token_texts
         self.want_logprobs = params.logprobs is not None
         self.cumulative_logprob = 0.0 if self.want_logprobs else None

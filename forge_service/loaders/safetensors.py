@@ -138,7 +138,8 @@ def _tensor_files(root: Path) -> dict[str, Path]:
         weight_map = _read_json(index, required=True).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelLoadError(str(index), "no weight_map object")
-        files = {name: root / str(f) for name, f in weight_map.items()}
+        shards = {f: _shard_path(root, index, f) for f in set(weight_map.values())}
+        files = {name: shards[f] for name, f in weight_map.items()}
     elif single.is_file():
         files = {name: single for name in _open(single).keys()}
     else:
@@ -147,6 +148,28 @@ def _tensor_files(root: Path) -> dict[str, Path]:
         if not file.is_file():
             raise ModelLoadError(str(file), f"shard listed in {INDEX_FILE} is missing")
     return {name: f for name, f in files.items() if not name.endswith(_IGNORED_SUFFIXES)}
+
+
+def _shard_path(root: Path, index: Path, name: Any) -> Path:
+    """The shard file `name` from the index names, refused unless it stays inside the model directory.
+
+    The index is data that came with the checkpoint, so a name may not be absolute or climb out
+    with `..`, and what it resolves to (symlinks followed) must lie inside the directory, or, for a
+    Hugging Face hub cache snapshot (`<repo>/snapshots/<revision>`), inside that repository's `blobs`.
+    """
+    if not isinstance(name, str) or not name:
+        raise ModelLoadError(str(index), f"weight_map names a shard that is not a file name: {name!r}")
+    relative = Path(name)
+    if relative.is_absolute() or relative.drive or ".." in relative.parts:
+        raise ModelLoadError(str(index), f"shard path {name!r} must be relative and inside the model directory")
+    real_root = root.resolve()
+    allowed = [real_root]
+    if real_root.parent.name == "snapshots":
+        allowed.append(real_root.parent.parent / "blobs")
+    target = (root / relative).resolve()
+    if not any(target.is_relative_to(a) for a in allowed):
+        raise ModelLoadError(str(index), f"shard {name!r} resolves to {target}, outside the model directory")
+    return root / relative
 
 
 def _open(file: Path) -> Any:

@@ -40,6 +40,8 @@ class BackendGrammar(Protocol):
 
     def matcher(self) -> BackendMatcher: ...
 
+    def accepts_text(self, text: str) -> bool: ...  # `text` is a complete match (e.g. parses as the schema)
+
 
 class GrammarBackend(Protocol):
     """One per tokenizer. `compile` raises InvalidArgument(reason) for what it cannot honour."""

@@ -4,22 +4,35 @@ The engine creates one GrammarCompiler per tokenizer at start-up, calls `compile
 constrained request arrives (the request waits until the future is done; the step loop never
 blocks on a compile), builds one GrammarMatcher per sequence, and each step fills a packed
 bitmask (see bitmask.py) for the constrained rows before sampling.
+
+Constraints come from clients, so a compile is bounded three ways: the spec's size
+(`max_spec_bytes`), the backend's own work limits (llguidance's lexer fuel and state caps,
+llguidance_backend.py), and a wall-clock `compile_timeout_s` after which the request gets
+INVALID_ARGUMENT whatever the compile thread is still doing. Compile threads get a large stack:
+the backend recurses over a grammar's rule chains, and a deep chain must not overflow it.
 """
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from tokenizers import Tokenizer
 
-from forge_service.errors import InvalidArgument
+from forge_service.errors import InvalidArgument, QueueFull
 from forge_service.structured.backend import BACKENDS, DEFAULT_BACKEND, BackendGrammar, GrammarBackend, create_backend
 from forge_service.structured.bitmask import pack_bitmask
 from forge_service.structured.constraint import Constraint
+
+
+MAX_SPEC_BYTES = 128 * 1024  # OpenAI allows ~120k characters of names and values in one schema
+COMPILE_TIMEOUT_S = 0.5
+MAX_QUEUED_COMPILES = 64  # compiles waiting for a thread; more are refused (RESOURCE_EXHAUSTED)
+COMPILE_STACK_BYTES = 256 * 1024 * 1024  # reserved, not committed: ~2.7 KB per level of rule chain
+_STACK_SIZE_LOCK = threading.Lock()  # threading.stack_size is process-wide: set it only around a spawn
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,6 +45,10 @@ class CompiledGrammar:
     eos_token_ids: frozenset[int]
     eos_only_row: torch.Tensor  # [W] int32: the mask of a terminated matcher
 
+    def accepts(self, text: str) -> bool:
+        """Whether `text` is a complete output: the grammar would allow EOS right after it."""
+        return self.grammar.accepts_text(text)
+
 
 class GrammarCompiler:
     """Compiles constraints for one tokenizer; thread-safe.
@@ -39,11 +56,14 @@ class GrammarCompiler:
     Results are cached by constraint (the compiler is per tokenizer, so the key is
     (constraint, tokenizer)): a repeated schema returns the same CompiledGrammar without
     work, and concurrent requests for one schema share one compile. Failed compiles are not
-    cached; they raise forge_service.errors.InvalidArgument with the backend's reason.
+    cached; they raise forge_service.errors.InvalidArgument with the backend's reason, or
+    when the spec is over `max_spec_bytes` or the compile runs past `compile_timeout_s`.
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int], *,
-                 backend: str = DEFAULT_BACKEND, max_cached: int = 512, compile_threads: int = 2) -> None:
+                 backend: str = DEFAULT_BACKEND, max_cached: int = 512, compile_threads: int = 2,
+                 max_spec_bytes: int = MAX_SPEC_BYTES, compile_timeout_s: float = COMPILE_TIMEOUT_S,
+                 max_queued: int = MAX_QUEUED_COMPILES) -> None:
         if backend not in BACKENDS:  # a deployment setting, checked at start-up
             raise ValueError(f"unknown structured output backend {backend!r}; expected one of {sorted(BACKENDS)}")
         self.vocab_size = vocab_size
@@ -54,6 +74,10 @@ class GrammarCompiler:
         eos_only[0, sorted(self.eos_token_ids)] = True
         self._eos_only_row = pack_bitmask(eos_only)[0]
         self._max_cached = max_cached
+        self.max_spec_bytes = max_spec_bytes
+        self.compile_timeout_s = compile_timeout_s
+        self._max_queued = max_queued
+        self._queued = 0  # submitted, not yet started
         self._cache: OrderedDict[Constraint, Future[CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()
         self._backend_lock = threading.Lock()
@@ -69,17 +93,24 @@ class GrammarCompiler:
             return self._backend
 
     def compile_async(self, constraint: Constraint) -> Future[CompiledGrammar]:
-        """A future for the compiled grammar; done at once on a cache hit. Never blocks."""
+        """A future for the compiled grammar; done at once on a cache hit or a refusal. Never blocks."""
         with self._lock:
             future = self._cache.get(constraint)
             if future is not None:
                 self._cache.move_to_end(constraint)
                 return future
-            future = self._pool.submit(self._compile, constraint)
+            refusal = self._refusal(constraint)
+            if refusal is not None:
+                future = Future()
+                future.set_exception(refusal)
+                return future
+            future = Future()
             self._cache[constraint] = future
+            self._queued += 1
             while len(self._cache) > self._max_cached:
                 self._cache.popitem(last=False)
         future.add_done_callback(lambda f: self._forget_failure(constraint, f))
+        self._submit(constraint, future)
         return future
 
     def compile(self, constraint: Constraint) -> CompiledGrammar:
@@ -111,10 +142,50 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            pending = list(self._cache.values())
+        for future in pending:
+            future.cancel()  # only those no thread has started; a running compile settles itself
+
+    def _refusal(self, constraint: Constraint) -> Exception | None:
+        if not self.eos_token_ids:  # nothing could end a constrained output
+            return InvalidArgument("structured output needs an end-of-sequence token, and this model has none")
+        size = len(constraint.spec.encode("utf-8"))
+        if size > self.max_spec_bytes:
+            return InvalidArgument(f"structured output {constraint.kind} is {size} bytes; "
+                                   f"the limit is {self.max_spec_bytes}")
+        if self._queued >= self._max_queued:
+            return QueueFull(f"{self._queued} structured output grammars are waiting to compile; retry later")
+        return None
+
+    def _submit(self, constraint: Constraint, future: Future[CompiledGrammar]) -> None:
+        with _STACK_SIZE_LOCK:  # a worker the pool starts now gets the large stack
+            previous = threading.stack_size(COMPILE_STACK_BYTES)
+            try:
+                self._pool.submit(self._run, constraint, future)
+            finally:
+                threading.stack_size(previous)
+
+    def _run(self, constraint: Constraint, future: Future[CompiledGrammar]) -> None:
+        """Compile into `future` (on a pool thread), failing it when the compile overruns its time."""
+        with self._lock:
+            self._queued -= 1
+        if not future.set_running_or_notify_cancel():
+            return
+        timer = threading.Timer(self.compile_timeout_s, _settle, (future, None, InvalidArgument(
+            f"structured output {constraint.kind} did not compile within {self.compile_timeout_s:g} s; "
+            f"simplify it")))
+        timer.daemon = True
+        try:
+            self.backend  # noqa: B018 -- indexing the vocabulary is start-up work, outside the time limit
+            timer.start()
+            _settle(future, self._compile(constraint), None)
+        except Exception as e:  # handed to the waiting request, which reports it
+            _settle(future, None, e)
+        finally:
+            timer.cancel()
 
     def _compile(self, constraint: Constraint) -> CompiledGrammar:
-        if not self.eos_token_ids:  # nothing could end a constrained output
-            raise InvalidArgument("structured output needs an end-of-sequence token, and this model has none")
         grammar = self.backend.compile(constraint)
         return CompiledGrammar(constraint, grammar, self.vocab_size, self.eos_token_ids, self._eos_only_row)
 
@@ -123,6 +194,17 @@ class GrammarCompiler:
             with self._lock:
                 if self._cache.get(constraint) is future:
                     del self._cache[constraint]
+
+
+def _settle(future: Future[CompiledGrammar], result: CompiledGrammar | None, error: Exception | None) -> None:
+    """Complete `future` unless it already is: a compile and its timer race, and the first one wins."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:  # the other one finished it first
+        return
 
 
 class GrammarMatcher:

@@ -32,13 +32,33 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
                 "lenient": False, "coerce_one_of": False}
 LENIENT_OPTIONS = {**JSON_OPTIONS, "lenient": True, "coerce_one_of": True}
 MASK_THREADS = 2  # LLExecutor threads for batched mask fills
+# Work bounds for grammars from clients, well below llguidance's defaults (measured on this
+# project's 2-core CPU): a nested counter such as ((a{100}){100}){100} builds its lexer in ~0.06 s
+# instead of ~0.6 s and each of its masks costs ~25 ms instead of ~100 ms; a step's mask (on the
+# engine's step) stays under ~40 ms; a grammar's lexer holds at most ~10k states (~9 MB). Every
+# schema in tests/integration/structured_schemas.py, and schemas with 1,000-value enums or 80
+# formatted properties, stay far inside them. A grammar over a limit is refused when it hits it
+# while compiling, and ends its own request when it hits it mid-output.
+PARSER_LIMITS = dict(initial_lexer_fuel=50_000, step_lexer_fuel=20_000, max_lexer_states=10_000,
+                     max_grammar_size=100_000, step_max_items=20_000, verbose_errors=False)
+
+
+MAX_REASON_CHARS = 400  # llguidance quotes the grammar in its errors; keep the message small
+
+
+def _reason(error: object) -> str:
+    """llguidance's error text, cut to MAX_REASON_CHARS: it may quote a client's whole spec."""
+    text = str(error)
+    if len(text) <= MAX_REASON_CHARS:
+        return text
+    return f"{text[:MAX_REASON_CHARS]}... ({len(text) - MAX_REASON_CHARS} more characters)"
 
 
 def _json_schema(spec: str) -> str:
     try:
         schema = json.loads(spec)
     except (json.JSONDecodeError, RecursionError) as e:
-        raise InvalidArgument(f"json_schema is not valid JSON: {e}") from e
+        raise InvalidArgument(f"json_schema is not valid JSON: {_reason(e)}") from e
     return llguidance.LLMatcher.grammar_from_json_schema(prepare_schema(schema, "json_schema")[0])
 
 
@@ -61,7 +81,7 @@ def prepare_schema(schema: Any, what: str) -> tuple[dict[str, Any], list[str]]:
     failed, warnings = llguidance.LLMatcher.validate_grammar_with_warnings(
         llguidance.LLMatcher.grammar_from_json_schema(approximate))
     if failed:
-        raise InvalidArgument(f"{what}: unsupported or unsatisfiable JSON Schema: {'; '.join(warnings or messages)}")
+        raise InvalidArgument(f"{what}: unsupported or unsatisfiable JSON Schema: {_reason('; '.join(warnings or messages))}")
     notes += warnings
     log.info("%s approximated for the grammar (the output is validated afterwards): %s", what, "; ".join(notes))
     return approximate, notes
@@ -81,7 +101,7 @@ def _choice(spec: str) -> str:
     try:
         choices = json.loads(spec)
     except json.JSONDecodeError as e:
-        raise InvalidArgument(f"choice is not a JSON list: {e}") from e
+        raise InvalidArgument(f"choice is not a JSON list: {_reason(e)}") from e
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise InvalidArgument("choice must be a non-empty JSON list of non-empty strings")
     return llguidance.grammar_from("choice", choices)
@@ -129,11 +149,18 @@ class LLGuidanceMatcher:
 
 
 class LLGuidanceGrammar:
-    def __init__(self, template: llguidance.LLMatcher) -> None:
+    def __init__(self, template: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer) -> None:
         self._template = template
+        self._tokenizer = tokenizer
 
     def matcher(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self._template)
+
+    def accepts_text(self, text: str) -> bool:
+        # The parser works on bytes, so any tokenization of the text is as good as the sampled one.
+        m = self._template.deep_copy()
+        tokens = self._tokenizer.tokenize_str(text)
+        return m.try_consume_tokens(tokens) == len(tokens) and m.is_accepting()
 
 
 class LLGuidanceBackend:
@@ -145,19 +172,22 @@ class LLGuidanceBackend:
         # n_vocab is the model's logit width; ids past the tokenizer's own are never allowed.
         self._tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
+        self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
 
     def compile(self, constraint: Constraint) -> LLGuidanceGrammar:
         try:
             grammar = GRAMMAR_BUILDERS[constraint.kind](constraint.spec)
         except ValueError as e:
-            raise InvalidArgument(f"invalid {constraint.kind}: {e}") from e
+            raise InvalidArgument(f"invalid {constraint.kind}: {_reason(e)}") from e
         # Parsing happens here and drops the GIL; errors leave the matcher in an error state.
-        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
-        if template.is_error():
-            raise InvalidArgument(f"unsupported or invalid {constraint.kind}: {template.get_error()}")
+        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
         # The first mask builds the lexer's start state (~0.5 ms); do it here, off the step loop.
-        template.compute_bitmask()
-        return LLGuidanceGrammar(template)
+        # A grammar that cannot start (a $ref cycle, a limit hit) errors there, and is refused.
+        if not template.is_error():
+            template.compute_bitmask()
+        if template.is_error():
+            raise InvalidArgument(f"unsupported or invalid {constraint.kind}: {_reason(template.get_error())}")
+        return LLGuidanceGrammar(template, self._tokenizer)
 
     def fill_bitmasks(self, matchers: Sequence[LLGuidanceMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         assert bitmask.dtype == torch.int32 and bitmask.is_cpu and bitmask.is_contiguous()

@@ -5,12 +5,13 @@ tokenizer_config.json, generation_config.json). Encodes and decodes as transform
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 from typing import Any
 
-from tokenizers import Tokenizer as BackendTokenizer, decoders
+from tokenizers import AddedToken, Tokenizer as BackendTokenizer, decoders
 
 from forge_service.errors import InvalidArgument, ModelLoadError
 from forge_service.tokenizer.chat_template import ChatTemplate
@@ -41,8 +42,12 @@ class Tokenizer:
         self.add_bos = self.bos_token_id is not None and backend.encode("").ids[:1] == [self.bos_token_id]
         self.chat_template = chat_template
         self._template = ChatTemplate(chat_template, self.special_tokens) if chat_template else None
-        self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
-        self._added_ids = frozenset(backend.get_added_tokens_decoder())
+        added = backend.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._added_ids = frozenset(added)
+        specials = sorted({t.content for t in added.values() if t.special and t.content}, key=len, reverse=True)
+        # Longest first, so an alternation matches as tokenizers' added-token matcher does (leftmost-longest).
+        self._special_pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
 
     # --- construction ------------------------------------------------------------------------------
 
@@ -128,12 +133,91 @@ class Tokenizer:
         return template.render(messages, add_generation_prompt, **kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
-        """Render then encode without adding BOS/EOS: the template writes them (as transformers does)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
-                           add_special_tokens=False)
+        """Render then encode without adding BOS/EOS: the template writes them (as transformers does).
+
+        Control tokens come only from the template. A special token's text written inside the
+        messages (content, names) or tools, such as "<|im_start|>" typed by a user, is encoded as
+        plain text, so a message can never fake a turn of another role.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        data = (messages, kwargs.get("tools"), kwargs.get("documents"))
+        if self._special_pattern is None or not _mentions(data, self._special_pattern):
+            return self.encode(text, add_special_tokens=False)  # nothing to tell apart: the common case
+        defused = _defuse(data, self._special_pattern)
+        shadow = self.apply_chat_template(defused[0], add_generation_prompt,
+                                          **{**kwargs, "tools": defused[1], "documents": defused[2]})
+        return self._encode_with_controls(text, self._template_controls(text, shadow))
+
+    def _template_controls(self, text: str, shadow: str) -> list[re.Match]:
+        """The special tokens of `text` that the template wrote: those `shadow` (the same render
+        with every special token inside the messages replaced by private-use characters) has too."""
+        own, expected, at = [], [], 0  # `expected`: text with the messages' special tokens defused
+        for m in self._special_pattern.finditer(text):
+            if shadow[m.start():m.end()] == m.group():
+                own.append(m)
+            else:
+                expected += [text[at:m.start()], _DEFUSE * len(m.group())]
+                at = m.end()
+        if "".join(expected) + text[at:] != shadow:  # the template did more than copy the messages
+            raise InvalidArgument("the chat template renders messages that contain special tokens differently; "
+                                  "remove special tokens such as <|...|> from the messages")
+        return own
+
+    def _encode_with_controls(self, text: str, controls: list[re.Match]) -> list[int]:
+        """`text` encoded as one piece (so it splits into sections exactly as `encode` would), the
+        `controls` as their control tokens and every other special token's text as plain text."""
+        if _SENTINEL_MARK in text:
+            raise InvalidArgument("the prompt contains the reserved characters U+E001 U+E002")
+        backend, controls_of = self._text_only
+        parts, at = [], 0
+        for m in controls:
+            parts += [text[at:m.start()], _SENTINEL.format(self.backend.token_to_id(m.group()))]
+            at = m.end()
+        ids = backend.encode("".join(parts) + text[at:], add_special_tokens=False).ids
+        return [controls_of.get(i, i) for i in ids]
+
+    @functools.cached_property
+    def _text_only(self) -> tuple[BackendTokenizer, dict[int, int]]:
+        """A copy of the backend that encodes special tokens' text as ordinary text, plus one
+        non-special stand-in per special token (same matching flags, so it splits the text the same
+        way) and the map from each stand-in's id back to its special token's id."""
+        backend = BackendTokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True  # non-special added tokens are still matched
+        specials = {i: t for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+        stand_ins = [AddedToken(_SENTINEL.format(i), special=False, normalized=False, lstrip=t.lstrip,
+                                rstrip=t.rstrip, single_word=t.single_word) for i, t in specials.items()]
+        backend.add_tokens(stand_ins)
+        return backend, {backend.token_to_id(a.content): i for a, i in zip(stand_ins, specials)}
 
     def _id_of(self, token: str | None) -> int | None:
         return self.backend.token_to_id(token) if token is not None else None
+
+
+_DEFUSE = "\ue000"  # a private-use character: stands in for each character of a defused special token
+_SENTINEL_MARK = "\ue001\ue002"
+_SENTINEL = _SENTINEL_MARK + "{}\ue003"  # stands in for the template's control token of this id while encoding
+
+
+def _mentions(value: Any, pattern: re.Pattern) -> bool:
+    """Whether any string inside `value` (dicts, lists, tuples) contains a special token."""
+    if isinstance(value, str):
+        return pattern.search(value) is not None
+    if isinstance(value, dict):
+        return any(_mentions(k, pattern) or _mentions(v, pattern) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_mentions(v, pattern) for v in value)
+    return False
+
+
+def _defuse(value: Any, pattern: re.Pattern) -> Any:
+    """`value` with every special token in its strings replaced by as many private-use characters."""
+    if isinstance(value, str):
+        return pattern.sub(lambda m: _DEFUSE * len(m.group()), value)
+    if isinstance(value, dict):
+        return {_defuse(k, pattern): _defuse(v, pattern) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_defuse(v, pattern) for v in value)
+    return value
 
 
 def _read_json(path: str) -> dict:

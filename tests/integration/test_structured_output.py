@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
@@ -194,3 +195,38 @@ def test_constrained_and_unconstrained_rows_share_a_batch(llm_fp32) -> None:
         jsonschema.validate(json.loads(c.text), schemas[name])
     for alone, out in zip(solo, outs[8:]):
         assert (out.outputs[0].token_ids, out.outputs[0].text) == (alone.token_ids, alone.text)
+
+
+def test_stop_strings_never_cut_json_short(client: openai.OpenAI, model: str) -> None:
+    """The default model writes JSON with `"`, `,` and `}` in it: as stop strings they are text inside
+    unfinished JSON, and every output that finishes with `stop` still validates."""
+    schema = dict(SCHEMAS)["nested_object"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    outs = client.chat.completions.create(model=model, messages=schema_chat("nested_object", schema), n=4,
+                                          temperature=0.8, seed=3, max_tokens=MAX_TOKENS, response_format=fmt,
+                                          stop=['"', ",", "}", ": "])
+    assert {c.finish_reason for c in outs.choices} <= {"stop", "length"}
+    finished = [c.message.content for c in outs.choices if c.finish_reason == "stop"]
+    assert finished
+    for text in finished:
+        jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("fields", [{"regex": "((a{100}){100}){100}"}, {"regex": "(a|b)*a(a|b){40}"},
+                                    {"json_schema": json.dumps({"$ref": "#"})},
+                                    {"json_schema": '{"type":"array","items":' * 3000 + "{}" + "}" * 3000},
+                                    {"grammar": "start: x1\n" + "".join(f'x{i}: "b" x{i + 1}\n' for i in range(1, 6000))
+                                     + 'x6000: "a"\n'}])
+def test_hostile_constraints_are_answered_fast_over_grpc(server: ForgeProcess, fields: dict[str, str]) -> None:
+    """Each is compiled (and its steps stay cheap) or refused with INVALID_ARGUMENT well inside a
+    second, and the server stays healthy."""
+    started = time.perf_counter()
+    request = pb.GenerateRequest(text="x", stopping=pb.StoppingParameters(max_tokens=4), **fields)
+    try:
+        server.stub.Generate(request, timeout=30)
+    except grpc.RpcError as error:
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+        assert time.perf_counter() - started < 1.0 and len(error.details()) < 1000
+    else:
+        assert time.perf_counter() - started < 5.0  # compiled: four constrained steps on a busy CPU
+    assert server.health().ready

@@ -270,6 +270,46 @@ def test_safetensors_index_names_a_tensor_the_shard_lacks(tmp_path: Path) -> Non
     assert other in message and "model.norm.weight" in message, message
 
 
+def _point_shard_at(root: Path, shard_name: str) -> None:
+    """Rewrite the index so every tensor of the second shard is looked up in `shard_name`."""
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    second = "model-00002-of-00002.safetensors"
+    index["weight_map"] = {n: shard_name if f == second else f for n, f in index["weight_map"].items()}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("kind", ["absolute", "dotdot", "symlink"])
+def test_safetensors_shard_paths_must_stay_inside_the_model_directory(tmp_path: Path, kind: str) -> None:
+    root = write_safetensors_dir(tmp_path / "m", ARCH, WEIGHTS, shards=2)
+    outside = tmp_path / "outside.safetensors"  # a readable shard, so only the path check can refuse it
+    (root / "model-00002-of-00002.safetensors").rename(outside)
+    name = {"absolute": str(outside), "dotdot": "../outside.safetensors", "symlink": "link.safetensors"}[kind]
+    if kind == "symlink":
+        (root / name).symlink_to(outside)
+    _point_shard_at(root, name)
+    message = load_checkpoint_error(root)
+    assert "model.safetensors.index.json" in message and "inside the model directory" in message \
+        or "outside the model directory" in message, message
+    assert name in message, message
+
+
+def test_safetensors_shards_may_be_symlinks_inside_the_directory_or_a_hub_cache(tmp_path: Path) -> None:
+    repo = tmp_path / "models--org--tiny"
+    root = write_safetensors_dir(repo / "snapshots" / "abc123", ARCH, WEIGHTS, shards=2)
+    (repo / "blobs").mkdir()
+    for shard in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        blob = repo / "blobs" / f"sha-{shard}"
+        (root / shard).rename(blob)
+        (root / shard).symlink_to(Path("..", "..", "blobs", blob.name))  # the hub cache's relative links
+    ckpt = load_checkpoint(root)
+    torch.testing.assert_close(ckpt.weights["model.norm.weight"], WEIGHTS["model.norm.weight"])
+    (root / "sub").mkdir()
+    (repo / "blobs" / "sha-model-00002-of-00002.safetensors").rename(root / "sub" / "shard.safetensors")
+    (root / "inner.safetensors").symlink_to(Path("sub", "shard.safetensors"))
+    _point_shard_at(root, "inner.safetensors")
+    assert load_checkpoint(root).weights["model.norm.weight"].shape == WEIGHTS["model.norm.weight"].shape
+
+
 def load_checkpoint_error(path: Path) -> str:
     with pytest.raises(ModelLoadError) as info:
         load_checkpoint(path)

@@ -65,7 +65,8 @@ class _StubBackend:
 class _ConstrainedFake(FakeEngine):
     def __init__(self) -> None:
         super().__init__()
-        self.grammar_compiler = GrammarCompiler(None, 256, [0], backend="stub")
+        # A test holds a stub compile for longer than the default time limit, which it must survive.
+        self.grammar_compiler = GrammarCompiler(None, 256, [0], backend="stub", compile_timeout_s=30)
         self.cached_at_add: list[bool] = []
 
     def add_request(self, request_id, prompt_token_ids, params, label=None) -> None:

@@ -77,6 +77,65 @@ def test_json_schema_output_parses(llm):
         assert set(value) == {"name", "ok"} and isinstance(value["ok"], bool) and len(value["name"]) <= 5
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_ends_constrained_output_only_where_it_is_complete(llm, include):
+    """Every output that finishes with `stop` parses: a stop string inside unfinished JSON is text."""
+    stops = ['"', "}", ",", ": "]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=48, constraint=PERSON, stop=stops,
+                             include_stop_str_in_output=include) for i in range(6)]
+    outs = [c for o in llm.generate(prompts(6), params) for c in o.outputs]
+    stopped = [c for c in outs if c.finish_reason == "stop"]
+    assert stopped
+    for c in stopped:
+        value = json.loads(c.text)
+        assert set(value) == {"name", "ok"}
+        # without the stop in the output nothing before a stop is a whole object: EOS ends it;
+        # with it, the closing brace is the stop
+        assert c.stop_reason == ("}" if include else EOS), (c.text, c.stop_reason)
+
+
+def test_a_stop_string_still_ends_constrained_output_where_the_grammar_may_end(llm):
+    regex = Constraint("regex", "[a-c]{1,3}(x[a-c]{1,3}){0,4}")
+    outs = llm.generate(prompts(6), [SamplingParams(temperature=1.0, seed=i, max_tokens=30, constraint=regex,
+                                                    stop=["x"]) for i in range(6)])
+    by_string = [c for o in outs for c in o.outputs if c.stop_reason == "x"]
+    assert by_string  # the random model writes an "x" in some of them
+    for c in by_string:
+        assert re.fullmatch("[a-c]{1,3}", c.text), c.text
+
+
+def test_stop_token_ids_other_than_eos_are_refused_with_a_constraint(llm):
+    with pytest.raises(InvalidArgument, match="stop_token_ids cannot be combined with structured output"):
+        llm.generate(prompts(1), SamplingParams(max_tokens=8, constraint=PERSON, stop_token_ids=[40]))
+    out = llm.generate(prompts(1), SamplingParams(max_tokens=48, constraint=PERSON, stop_token_ids=[EOS]))
+    assert out[0].outputs[0].finish_reason in ("stop", "length")
+
+
+def test_a_grammar_that_hits_a_work_limit_mid_output_ends_only_its_own_request(llm):
+    """A nested counter compiles, then exhausts the lexer's limits on its first tokens: that request
+    ends (`abort`), and the request beside it gets exactly its solo output."""
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    solo = llm.generate(prompts(2)[1:], free)[0].outputs[0].token_ids
+    limit = SamplingParams(temperature=0, max_tokens=12, constraint=Constraint("regex", "((a{100}){100}){100}"))
+    hit, other = llm.generate(prompts(2), [limit, free])
+    assert hit.outputs[0].finish_reason == "abort" and len(hit.outputs[0].token_ids) < 12
+    assert other.outputs[0].token_ids == solo
+    assert not llm.engine.has_unfinished_requests() and len(llm.engine.runner.grammars) == 0
+
+
+def test_the_engine_takes_its_grammar_limits_from_the_config(tiny_dir):
+    from forge_service.config import EngineConfig, ModelConfig, StructuredConfig
+    from forge_service.engine.engine import LLMEngine
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_dir), dtype="float32"),
+                                    structured=StructuredConfig(max_grammar_bytes=64, grammar_compile_timeout_s=0.25)))
+    try:
+        assert (engine.grammar_compiler.max_spec_bytes, engine.grammar_compiler.compile_timeout_s) == (64, 0.25)
+        with pytest.raises(InvalidArgument, match="65 bytes; the limit is 64"):
+            engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, constraint=Constraint("regex", "a" * 65)))
+    finally:
+        engine.grammar_compiler.shutdown()
+
+
 def test_unconstrained_rows_equal_their_solo_runs(llm):
     free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     seeded = SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True, logprobs=3)
