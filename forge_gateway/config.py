@@ -16,6 +16,10 @@ class GatewayConfig:
     # When set, every /v1 endpoint requires `Authorization: Bearer <api_key>`.
     api_key: str | None = None
     log_level: str = "info"
+    # "text" or "json" (one object per line, with the request id and trace ids).
+    log_format: str = "text"
+    # OTLP/gRPC endpoint for traces; unset: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, else tracing is off.
+    otlp_traces_endpoint: str | None = None
     # gRPC deadline for a request whose client sends no `X-Request-Timeout` header (seconds).
     request_timeout_s: float = 600.0
     # Retry-After (seconds) on 429 and 503 answers.

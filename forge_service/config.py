@@ -59,6 +59,22 @@ class ServiceConfig:
     # When set, the gateway requires `Authorization: Bearer <api_key>`.
     api_key: str | None = None
     log_level: str = "info"
+    # "text" or "json" (one object per line, with the request id and trace ids).
+    log_format: str = "text"
+    # Prometheus /metrics on this HTTP port (`forge serve` and `python -m forge_service`); 0: off.
+    metrics_port: int = 9090
+    # OTLP/gRPC endpoint for traces; unset: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, else tracing is off.
+    otlp_traces_endpoint: str | None = None
+
+
+def traces_endpoint(configured: str | None, env: Mapping[str, str] | None = None) -> str | None:
+    """Where traces go: the flag or FORGE_OTLP_TRACES_ENDPOINT, else the standard OTEL_* variables;
+    None (tracing off) when none is set or OTEL_SDK_DISABLED / OTEL_TRACES_EXPORTER=none say so."""
+    env = os.environ if env is None else env
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true" or env.get("OTEL_TRACES_EXPORTER", "") == "none":
+        return None
+    return (configured or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+            or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None)
 
 
 def _coerce(value: str, current: Any, name: str) -> Any:

@@ -16,7 +16,10 @@ import uvicorn
 from forge_gateway.app import create_app
 from forge_gateway.config import GatewayConfig
 from forge_service.config import EngineConfig, ServiceConfig
+from forge_service.logs import uvicorn_log_config
+from forge_service.metrics import metrics_endpoint
 from forge_service.server import ForgeService, build_service
+from forge_service.tracing import traced
 
 log = logging.getLogger(__name__)
 # How long uvicorn waits for open HTTP connections once the service has drained.
@@ -35,16 +38,19 @@ def gateway_config(service_config: ServiceConfig, grpc_port: int) -> GatewayConf
     target_host = "127.0.0.1" if service_config.host in ("0.0.0.0", "::", "") else service_config.host
     return GatewayConfig(target=f"{target_host}:{grpc_port}", host=service_config.host,
                          http_port=service_config.http_port, api_key=service_config.api_key,
-                         log_level=service_config.log_level)
+                         log_level=service_config.log_level, log_format=service_config.log_format)
 
 
 async def run_all_async(service: ForgeService, service_config: ServiceConfig,
                         stop: asyncio.Event | None = None) -> None:
-    """Start `service` and a gateway in front of it; return after SIGTERM/SIGINT (or `stop`) and a drain."""
+    """Start `service` and a gateway in front of it; return after SIGTERM/SIGINT (or `stop`) and a drain.
+    The gateway traces with the service's tracer."""
     port = await service.start()
     config = gateway_config(service_config, port)
-    http = _Uvicorn(uvicorn.Config(create_app(config), host=config.host, port=config.http_port,
-                                   log_level=config.log_level, timeout_graceful_shutdown=_HTTP_GRACE_S))
+    http = _Uvicorn(uvicorn.Config(create_app(config, tracer=service.tracer), host=config.host,
+                                   port=config.http_port, log_level=config.log_level,
+                                   log_config=uvicorn_log_config(config.log_format),
+                                   timeout_graceful_shutdown=_HTTP_GRACE_S))
     gateway = asyncio.create_task(http.serve())
     try:
         await service.run(stop)  # loads, serves, and on a signal drains and stops the gRPC server
@@ -54,5 +60,9 @@ async def run_all_async(service: ForgeService, service_config: ServiceConfig,
 
 
 def run_all(engine_config: EngineConfig, service_config: ServiceConfig) -> None:
-    """Run the gRPC service and the gateway until SIGTERM/SIGINT; returns after a clean drain."""
-    asyncio.run(run_all_async(build_service(engine_config, service_config), service_config))
+    """Run the gRPC service and the gateway until SIGTERM/SIGINT; returns after a clean drain.
+    The service's metrics are on --metrics-port, the gateway's on its HTTP port."""
+    with traced(service_config.otlp_traces_endpoint, "forge") as tracer:
+        service = build_service(engine_config, service_config, tracer)
+        with metrics_endpoint(service.metrics.registry, service_config.host, service_config.metrics_port):
+            asyncio.run(run_all_async(service, service_config))

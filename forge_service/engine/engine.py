@@ -9,6 +9,7 @@ import torch
 
 from forge_service.backends import create_backend
 from forge_service.config import EngineConfig
+from forge_service.engine.observer import EngineObserver, NullObserver
 from forge_service.engine.output_processor import CompletionProcessor, TokenTexts
 from forge_service.engine.output_types import RequestOutput
 from forge_service.engine.request import Request, RequestStatus, SamplingParams
@@ -94,6 +95,8 @@ class LLMEngine:
         self.processors: dict[str, CompletionProcessor] = {}
         self.parents: dict[str, _Parent] = {}
         self.num_preemptions = 0
+        # Told what happens to each request (the service sets its metrics here).
+        self.observer: EngineObserver = NullObserver()
         log.info("loaded %s (%s) in %.1fs: %d KV blocks of %d tokens", path, self.dtype,
                  time.perf_counter() - started, self.runner.num_blocks, config.cache.block_size)
 
@@ -148,32 +151,50 @@ class LLMEngine:
                 f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: {wanted} tokens exceed "
                 f"the KV cache's capacity of {capacity} tokens by {wanted - capacity}")
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, reason: str = "abort") -> None:
+        """End a request early; `reason` ("abort", or "error" when the engine failed) is what
+        the observer is told."""
         parent = self.parents.pop(request_id, None)
+        now = time.monotonic()
         for child_id in parent.children if parent else []:
-            self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
+            child = self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
+            if child is not None:
+                child.times.finished = now
+                self.observer.finished(child, reason, now)
             self._forget(child_id)
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; returns deltas of the requests that progressed."""
+        started = time.monotonic()
         out = self.scheduler.schedule()
         if out.empty:
             return []
         self.num_preemptions += len(out.preempted)
+        self._observe_scheduled(out, started)
         sampled = self.runner.execute(out)
         self.scheduler.update(out, {s.request_id: s.token_id for s in sampled})
         deltas: dict[str, RequestOutput] = {}
+        now = time.monotonic()
         for s in sampled:
             request = self.scheduler.get(s.request_id) or self._finished_request(out, s.request_id)
-            self._emit(request, s, deltas)
+            self._emit(request, s, deltas, now)
+        self.observer.step(len(out.chunks), out.num_tokens, time.monotonic() - started)
         return list(deltas.values())
+
+    def _observe_scheduled(self, out, now: float) -> None:
+        for request in out.preempted:
+            self.observer.preempted(request)
+        for chunk in out.chunks:
+            if chunk.request.times.scheduled is None:
+                self.observer.scheduled(chunk.request, now)
+                chunk.request.times.scheduled = now
 
     @staticmethod
     def _finished_request(out, request_id: str) -> Request:
         return next(c.request for c in out.chunks if c.request.request_id == request_id)
 
-    def _emit(self, request: Request, s, deltas: dict[str, RequestOutput]) -> None:
+    def _emit(self, request: Request, s, deltas: dict[str, RequestOutput], now: float) -> None:
         processor = self.processors.get(request.request_id)
         parent = self.parents.get(request.parent_id)
         if processor is None or parent is None:  # aborted between schedule and now
@@ -182,11 +203,15 @@ class LLMEngine:
             self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ABORTED)
             request.status, request.stop_reason = RequestStatus.FINISHED_ABORTED, None
         delta, matched = processor.process(request, s)
+        self._observe_token(request, now)
         if matched is not None:
             self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
             request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, matched
         if request.status.finished:
             delta.finish_reason, delta.stop_reason = request.status.finish_reason, request.stop_reason
+            request.times.finished = now
+            self.observer.finished(request, request.status.finish_reason, now)
+            delta.times = request.times
             parent.finished.add(request.request_id)
             self._forget(request.request_id)
         out = deltas.setdefault(parent.request_id, RequestOutput(parent.request_id, parent.prompt_token_ids, []))
@@ -195,6 +220,12 @@ class LLMEngine:
         if len(parent.finished) == len(parent.children):
             out.finished = True
             del self.parents[parent.request_id]
+
+    def _observe_token(self, request: Request, now: float) -> None:
+        self.observer.token(request, now)
+        if request.times.first_token is None:
+            request.times.first_token = now
+        request.times.last_token = now
 
     def _forget(self, child_id: str) -> None:
         self.processors.pop(child_id, None)
