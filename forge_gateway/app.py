@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from forge_gateway import convert
 from forge_gateway.config import GatewayConfig
 from forge_gateway.errors import GatewayError, from_grpc, internal_error, unauthorized, validation_error
-from forge_gateway.metrics import ClientInterceptor, GatewayMetrics, ObservabilityMiddleware
+from forge_gateway.metrics import GatewayMetrics, ObservabilityMiddleware, client_interceptors
 from forge_gateway.models import ChatCompletionRequest, CompletionRequest
 from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
@@ -49,7 +49,7 @@ def create_app(config: GatewayConfig, channel: grpc.aio.Channel | None = None,
             yield
             return
         own = grpc.aio.insecure_channel(config.target, options=CHANNEL_OPTIONS,
-                                        interceptors=[ClientInterceptor(metrics, tracer)])
+                                        interceptors=client_interceptors(metrics, tracer))
         app.state.stub = pb_grpc.ForgeStub(own)
         try:
             yield

@@ -124,19 +124,18 @@ def _end_http_span(span: Span, method: str, route: str, status: int) -> None:
     span.end()
 
 
-class ClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+def client_interceptors(metrics: GatewayMetrics, tracer: Tracer | None = None) -> list[Any]:
+    """The channel's interceptors (grpc.aio files each under one kind only: one object per kind)."""
+    return [_UnaryUnary(metrics, tracer), _UnaryStream(metrics, tracer)]
+
+
+class _ClientInterceptor:
     """On every call to the service: `x-request-id` and W3C `traceparent` metadata, a client span,
     and the error count by status code."""
 
     def __init__(self, metrics: GatewayMetrics, tracer: Tracer | None = None) -> None:
         self.metrics, self.tracer = metrics, tracer
         self._pending: set[asyncio.Task] = set()
-
-    async def intercept_unary_unary(self, continuation: Callable, details: Any, request: Any) -> Any:
-        return await self._intercept(continuation, details, request)
-
-    async def intercept_unary_stream(self, continuation: Callable, details: Any, request: Any) -> Any:
-        return await self._intercept(continuation, details, request)
 
     async def _intercept(self, continuation: Callable, details: Any, request: Any) -> Any:
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
@@ -174,3 +173,13 @@ class ClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStre
             if code != grpc.StatusCode.OK:
                 span.set_status(Status(StatusCode.ERROR, code.name))
             span.end(end_time=ended_ns)
+
+
+class _UnaryUnary(_ClientInterceptor, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Callable, details: Any, request: Any) -> Any:
+        return await self._intercept(continuation, details, request)
+
+
+class _UnaryStream(_ClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Callable, details: Any, request: Any) -> Any:
+        return await self._intercept(continuation, details, request)
