@@ -195,7 +195,8 @@ class ForgeService:
         started = time.monotonic()
         engine = await _in_daemon_thread(self._engine_factory)
         async_engine = AsyncEngine(engine, max_waiting=self._max_waiting)
-        engine.observer = self.metrics.watch(engine.model_name, async_engine.stats)
+        if self.config.metrics_port:  # 0: no metrics, nothing observed on the engine thread
+            engine.observer = self.metrics.watch(engine.model_name, async_engine.stats)
         async_engine.start()
         self.model = LoadedModel(async_engine, engine.tokenizer, engine.model_name, engine.max_model_len,
                                  int(time.time()))
