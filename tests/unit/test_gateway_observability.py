@@ -1,6 +1,7 @@
 """The gateway's request ids, metrics and spans, against the fake Forge servicer of test_gateway."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -150,3 +151,12 @@ def test_spans_continue_the_clients_traceparent_and_propagate_it(stack: tuple, h
     for client, metadata in zip(sorted(client_spans, key=lambda s: s.start_time), fake.metadata):
         assert client.parent.span_id in {s.context.span_id for s in http_spans}
         assert metadata["traceparent"] == f"00-{trace_id}-{format(client.context.span_id, '016x')}-01"
+
+
+def test_metrics_need_no_api_key_where_the_api_does() -> None:
+    async def main() -> tuple[int, int]:
+        app = create_app(GatewayConfig(api_key="sekret"))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+            return (await client.get("/metrics")).status_code, (await client.get("/v1/models")).status_code
+
+    assert asyncio.run(main()) == (200, 401)
