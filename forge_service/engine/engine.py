@@ -188,8 +188,9 @@ class LLMEngine:
         started = time.monotonic()
         out = self.scheduler.schedule()
         deltas: dict[str, RequestOutput] = {}
+        dropped = {request.request_id: request for request, _ in out.failed}  # the scheduler let go of them
         for request, error in out.failed:
-            self._fail(request, error, deltas)
+            self._fail(request, error, deltas, dropped)
         if out.empty:
             self._fail_orphans(deltas)
             return list(deltas.values())
@@ -240,7 +241,8 @@ class LLMEngine:
         return (self._run_isolating(chunks[:split], len(chunks[:split]) // 2, sampled)
                 + self._run_isolating(chunks[split:], len(chunks[split:]) // 2, sampled))
 
-    def _fail(self, request: Request, error: BaseException, deltas: dict[str, RequestOutput]) -> None:
+    def _fail(self, request: Request, error: BaseException, deltas: dict[str, RequestOutput],
+              dropped: dict[str, Request] | None = None) -> None:
         """End a failed request's whole prompt: the failed completion with "error", its siblings aborted."""
         error_id = uuid.uuid4().hex[:12]
         log.error("request %s (engine id %s) failed; stopped alone, the others go on [error id %s]",
@@ -250,10 +252,11 @@ class LLMEngine:
             return
         self._end_parent(parent, request.request_id, deltas,
                          f"internal engine error while computing this request; it was stopped and the "
-                         f"other requests went on [error id {error_id}]", failed_request=request)
+                         f"other requests went on [error id {error_id}]",
+                         {request.request_id: request, **(dropped or {})})
 
     def _end_parent(self, parent: _Parent, failed_id: str | None, deltas: dict[str, RequestOutput],
-                    message: str, failed_request: Request | None = None) -> None:
+                    message: str, dropped: dict[str, Request] | None = None) -> None:
         out = deltas.setdefault(parent.request_id, RequestOutput(parent.request_id, parent.prompt_token_ids, []))
         out.finished, out.error = True, message
         now = time.monotonic()
@@ -262,9 +265,8 @@ class LLMEngine:
                 continue
             failed = failed_id is None or child_id == failed_id  # None: all of them
             status = RequestStatus.FINISHED_ERROR if failed else RequestStatus.FINISHED_ABORTED
-            child = self.scheduler.finish(child_id, status)
-            if child is None and failed_request is not None and child_id == failed_request.request_id:
-                child = failed_request  # the scheduler dropped it already (its admission failed)
+            # Those whose admission failed are out of the scheduler already, but end here all the same.
+            child = self.scheduler.finish(child_id, status) or (dropped or {}).get(child_id)
             if child is not None:
                 child.times.finished = now
                 self.observer.finished(child, status.finish_reason, now)

@@ -103,3 +103,25 @@ def test_an_aborted_request_counts_as_abort_and_leaves_the_gauges_at_zero(tiny_d
 def test_batch_size_labels_are_powers_of_two() -> None:
     assert [batch_size_label(b) for b in (1, 2, 3, 4, 5, 64, 65, 512, 513)] == \
         ["1", "2", "4", "4", "8", "64", "128", "512", "512+"]
+
+
+@pytest.mark.parametrize("poison", ["raise_in_model", "raise_in_admission", "raise_in_output"])
+def test_a_failed_request_counts_one_error_and_its_sibling_one_abort(tiny_dir, poison) -> None:
+    from tests.unit import test_engine_isolation as isolation
+
+    llm = LLM(model=str(tiny_dir), dtype="float32")
+    metrics = observed(llm)
+    engine = llm.engine
+    engine.add_request("ok", list(range(3, 20)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()
+    getattr(isolation, poison)(engine)  # the poison: n=2, one completion of it makes the engine raise
+    emitted = 0
+    while engine.has_unfinished_requests():
+        emitted += sum(len(o.token_ids) for delta in engine.step() for o in delta.outputs)
+    emitted += 1  # the first step's token
+    assert value(metrics, "forge_requests_finished_total", finished_reason="error") == 1
+    assert value(metrics, "forge_requests_finished_total", finished_reason="abort") == 1
+    assert value(metrics, "forge_requests_finished_total", finished_reason="length") == 1
+    assert value(metrics, "forge_generation_tokens_total") == emitted
+    assert value(metrics, "forge_num_requests_running") == 0 and value(metrics, "forge_num_requests_waiting") == 0
+    assert value(metrics, "forge_kv_cache_blocks_used") == 0
