@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from forge_gateway.config import GatewayConfig, gateway_config_from_env
+from forge_service.logs import log_format
 
 FLAGS = [
     ("--target", "target", str, "the Forge gRPC service, HOST:PORT"),
@@ -14,7 +15,7 @@ FLAGS = [
     ("--log-level", "log_level", str, "debug, info, warning or error"),
     ("--request-timeout-s", "request_timeout_s", float, "gRPC deadline when the client sends none"),
     ("--retry-after-s", "retry_after_s", int, "Retry-After on 429 and 503"),
-    ("--log-format", "log_format", str, "text, or json: one object per line with request and trace ids"),
+    ("--log-format", "log_format", log_format, "text, or json: one object per line with request and trace ids"),
     ("--otlp-traces-endpoint", "otlp_traces_endpoint", str,
      "OTLP/gRPC endpoint for traces (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; unset: no tracing)"),
 ]

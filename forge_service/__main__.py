@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from forge_service.config import EngineConfig, ServiceConfig, engine_config_from_env, from_env
+from forge_service.logs import log_format
 
 # (flag, config field, type, help). Unset flags fall back to FORGE_* variables, then defaults.
 ENGINE_FLAGS = [
@@ -30,7 +31,7 @@ SERVICE_FLAGS = [
     ("--drain-timeout-s", "drain_timeout_s", float, "how long in-flight requests may run after SIGTERM"),
     ("--api-key", "api_key", str, "require `Authorization: Bearer <key>` at the gateway"),
     ("--log-level", "log_level", str, "debug, info, warning or error"),
-    ("--log-format", "log_format", str, "text, or json: one object per line with request and trace ids"),
+    ("--log-format", "log_format", log_format, "text, or json: one object per line with request and trace ids"),
     ("--metrics-port", "metrics_port", int, "Prometheus /metrics HTTP port of the service (0: off; default 9090)"),
     ("--otlp-traces-endpoint", "otlp_traces_endpoint", str,
      "OTLP/gRPC endpoint for traces (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; unset: no tracing)"),

@@ -5,6 +5,7 @@ for the duration of a request, so every log line written while handling it carri
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -59,6 +60,13 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str, ensure_ascii=False)
+
+
+def log_format(value: str) -> str:
+    """argparse type of --log-format."""
+    if value not in LOG_FORMATS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_FORMATS)}, not {value!r}")
+    return value
 
 
 def setup_logging(level: str, fmt: str = "text") -> None:

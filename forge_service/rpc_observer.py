@@ -115,9 +115,9 @@ def _status_name(error: BaseException, context: grpc.aio.ServicerContext) -> str
 
 def _end_server_span(span: Any, record: RpcRecord, tracer: Tracer, clock: tracing.MonotonicClock) -> None:
     params = record.params
-    attributes: dict[str, Any] = {tracing.INPUT_TOKENS: record.prompt_tokens,
-                                  tracing.OUTPUT_TOKENS: record.completion_tokens, tracing.RESPONSE_ID: record.request_id,
-                                  "rpc.grpc.status_code": getattr(grpc.StatusCode, record.status).value[0]}
+    attributes: dict[str, Any] = {
+        tracing.INPUT_TOKENS: record.prompt_tokens, tracing.OUTPUT_TOKENS: record.completion_tokens,
+        tracing.RESPONSE_ID: record.request_id, "rpc.grpc.status_code": getattr(grpc.StatusCode, record.status).value[0]}
     if record.model:
         attributes[tracing.MODEL] = record.model
     if params is not None:

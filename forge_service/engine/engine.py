@@ -246,7 +246,7 @@ class LLMEngine:
         """End a failed request's whole prompt: the failed completion with "error", its siblings aborted."""
         error_id = uuid.uuid4().hex[:12]
         log.error("request %s (engine id %s) failed; stopped alone, the others go on [error id %s]",
-                  request.label, request.request_id, error_id, exc_info=error)
+                  request.label, request.request_id, error_id, exc_info=error, extra={"request_id": request.label})
         parent = self.parents.pop(request.parent_id, None)
         if parent is None:  # already ended
             return
