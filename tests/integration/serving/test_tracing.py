@@ -136,12 +136,13 @@ def _chat(gateway: ForgeProcess, model: str, stream: bool, traceparent: str,
     return response, next(e["usage"] for e in events if e.get("usage"))
 
 
-def _assert_request_trace(spans: list[ReceivedSpan], method: str, client_parent: str, usage: dict) -> None:
-    by_kind = {(s.service, s.span.kind): s for s in spans}
-    http = by_kind[("forge-gateway", SERVER_KIND)]
-    client = by_kind[("forge-gateway", CLIENT_KIND)]
-    server = by_kind[("forge-service", SERVER_KIND)]
-    engine = by_kind[("forge-service", INTERNAL_KIND)]
+def _assert_request_trace(spans: list[ReceivedSpan], method: str, client_parent: str, usage: dict,
+                          gateway: str = "forge-gateway", service: str = "forge-service") -> None:
+    assert len(spans) == 4, [(s.service, s.span.name) for s in spans]
+    http = next(s for s in spans if s.service == gateway and s.span.name.startswith("POST "))
+    client = next(s for s in spans if s.service == gateway and s.span.kind == CLIENT_KIND)
+    server = next(s for s in spans if s.service == service and s.span.kind == SERVER_KIND and s is not http)
+    engine = next(s for s in spans if s.service == service and s.span.kind == INTERNAL_KIND)
     assert http.span.name == "POST /v1/chat/completions" and http.parent_id == client_parent
     assert http.attr("http.response.status_code") == 200
     assert client.span.name == f"forge.v1.Forge/{method}" and client.parent_id == http.span_id
@@ -171,9 +172,7 @@ def test_streamed_and_unary_chats_each_make_one_trace_across_both_processes(rece
         trace_id, parent_id, traceparent = _traceparent()
         response, usage = _chat(gateway, service.health().model, stream, traceparent, f"traced-{method}")
         assert response.headers["x-request-id"] == f"traced-{method}"
-        spans = spans_in.wait_for(trace_id, 4)
-        assert len(spans) == 4, [(s.service, s.span.name, s.trace_id) for s in spans_in.spans]
-        _assert_request_trace(spans, method, parent_id, usage)
+        _assert_request_trace(spans_in.wait_for(trace_id, 4), method, parent_id, usage)
         # The service's completion log line carries the request id and this trace id.
         lines = [json.loads(line) for line in service.log_tail(200_000).splitlines() if line.strip()]
         done = [line for line in lines if line.get("logger") == "forge.requests"
@@ -196,3 +195,13 @@ def test_a_grpc_client_with_its_own_traceparent_gets_its_trace_continued(receive
     assert server.attr("forge.request_id") == "grpc-own-trace"
     assert engine.parent_id == server.span_id
     assert engine.attr("gen_ai.usage.output_tokens") == response.usage.completion_tokens == 3
+
+
+def test_forge_serve_traces_gateway_and_service_in_one_process(receiver) -> None:
+    spans_in, port = receiver
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    with running_forge([*SERVER_THREADS], env=env) as forge:
+        forge.wait_ready()
+        trace_id, parent_id, traceparent = _traceparent()
+        _, usage = _chat(forge, forge.health().model, True, traceparent, "one-process")
+        _assert_request_trace(spans_in.wait_for(trace_id, 4), "Stream", parent_id, usage, "forge", "forge")
