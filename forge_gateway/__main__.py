@@ -18,6 +18,11 @@ FLAGS = [
     ("--log-format", "log_format", log_format, "text, or json: one object per line with request and trace ids"),
     ("--otlp-traces-endpoint", "otlp_traces_endpoint", str,
      "OTLP/gRPC endpoint for traces (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; unset: no tracing)"),
+    ("--grpc-api-key", "grpc_api_key", str, "the service's gRPC API key"),
+    ("--grpc-ca-file", "grpc_ca_file", str, "PEM CA of the service's TLS certificate (dial with TLS)"),
+    ("--grpc-client-cert", "grpc_client_cert", str, "PEM client certificate for mTLS"),
+    ("--grpc-client-key", "grpc_client_key", str, "PEM private key of --grpc-client-cert"),
+    ("--grpc-server-name", "grpc_server_name", str, "name in the service's certificate, if not the target host"),
 ]
 
 # Limits on one request (README "Gateway limits").

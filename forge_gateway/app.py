@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry.trace import Tracer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from forge_gateway import convert
+from forge_gateway import convert, dial
 from forge_gateway.config import GatewayConfig
 from forge_gateway.errors import GatewayError, from_grpc, internal_error, validation_error
 from forge_gateway.metrics import GatewayMetrics, ObservabilityMiddleware, client_interceptors
@@ -49,8 +49,7 @@ def create_app(config: GatewayConfig, channel: grpc.aio.Channel | None = None,
         if channel is not None:
             yield
             return
-        own = grpc.aio.insecure_channel(config.target, options=CHANNEL_OPTIONS,
-                                        interceptors=client_interceptors(metrics, tracer))
+        own = dial.open_channel(config, CHANNEL_OPTIONS, client_interceptors(metrics, tracer))
         app.state.stub = pb_grpc.ForgeStub(own)
         try:
             yield
