@@ -129,6 +129,9 @@ def _end_server_span(span: Any, record: RpcRecord, tracer: Tracer, clock: tracin
         attributes[tracing.FINISH_REASONS] = [record.finish_reasons[i] for i in sorted(record.finish_reasons)]
     if record.first_output is not None:
         attributes[tracing.TIME_TO_FIRST_TOKEN] = record.first_output - record.started
+    first = record.times.get(0)
+    if first is not None and first.scheduled is not None:
+        attributes[tracing.TIME_IN_QUEUE] = first.scheduled - first.queued
     span.set_attributes(attributes)
     if record.status != "OK":
         span.set_status(Status(StatusCode.ERROR, record.status))

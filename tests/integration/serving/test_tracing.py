@@ -155,6 +155,8 @@ def _assert_request_trace(spans: list[ReceivedSpan], method: str, client_parent:
     assert server.attr("gen_ai.request.max_tokens") == CHAT["max_tokens"]
     assert server.attr("gen_ai.request.temperature") == 0.0
     assert server.attr("gen_ai.request.model")
+    assert server.attr("gen_ai.latency.time_in_queue") == engine.attr("gen_ai.latency.time_in_queue")
+    assert 0 < server.attr("gen_ai.latency.time_to_first_token")
     assert [e.name for e in engine.span.events] == ["queued", "scheduled", "first_token", "finished"]
     times = [e.time_unix_nano for e in engine.span.events]
     assert times == sorted(times) and engine.span.start_time_unix_nano <= times[0]
