@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from forge_gateway.config import GatewayConfig, gateway_config_from_env
+from forge_service.logs import log_format
 
 FLAGS = [
     ("--target", "target", str, "the Forge gRPC service, HOST:PORT"),
@@ -15,6 +15,9 @@ FLAGS = [
     ("--log-level", "log_level", str, "debug, info, warning or error"),
     ("--request-timeout-s", "request_timeout_s", float, "gRPC deadline when the client sends none"),
     ("--retry-after-s", "retry_after_s", int, "Retry-After on 429 and 503"),
+    ("--log-format", "log_format", log_format, "text, or json: one object per line with request and trace ids"),
+    ("--otlp-traces-endpoint", "otlp_traces_endpoint", str,
+     "OTLP/gRPC endpoint for traces (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; unset: no tracing)"),
     ("--grpc-api-key", "grpc_api_key", str, "the service's gRPC API key"),
     ("--grpc-ca-file", "grpc_ca_file", str, "PEM CA of the service's TLS certificate (dial with TLS)"),
     ("--grpc-client-cert", "grpc_client_cert", str, "PEM client certificate for mTLS"),
@@ -48,11 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from forge_gateway.app import create_app
+    from forge_service.logs import setup_logging, uvicorn_log_config
+    from forge_service.tracing import traced
 
     config = parse_config(argv)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(config), host=config.host, port=config.http_port, log_level=config.log_level,
-                timeout_graceful_shutdown=30)
+    setup_logging(config.log_level, config.log_format)
+    with traced(config.otlp_traces_endpoint, "forge-gateway") as tracer:
+        uvicorn.run(create_app(config, tracer=tracer), host=config.host, port=config.http_port,
+                    log_level=config.log_level, log_config=uvicorn_log_config(config.log_format),
+                    timeout_graceful_shutdown=30)
     return 0
 
 

@@ -17,11 +17,13 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry.trace import Tracer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forge_gateway import convert, dial
 from forge_gateway.config import GatewayConfig
 from forge_gateway.errors import GatewayError, from_grpc, internal_error, validation_error
+from forge_gateway.metrics import GatewayMetrics, ObservabilityMiddleware, client_interceptors
 from forge_gateway.models import ChatCompletionRequest, CompletionRequest
 from forge_gateway.limits import RequestGuard, check_request
 from forge_service.pb import forge_pb2 as pb
@@ -36,15 +38,18 @@ class ClientDisconnected(Exception):
     """The HTTP client went away; its gRPC calls were cancelled."""
 
 
-def create_app(config: GatewayConfig, channel: grpc.aio.Channel | None = None) -> FastAPI:
-    """The ASGI app. Without `channel`, one to config.target is opened at startup."""
+def create_app(config: GatewayConfig, channel: grpc.aio.Channel | None = None,
+               tracer: Tracer | None = None) -> FastAPI:
+    """The ASGI app. Without `channel`, one to config.target is opened at startup (its calls carry
+    the request id and trace context); `tracer`: trace requests (None: off)."""
+    metrics = GatewayMetrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if channel is not None:
             yield
             return
-        own = dial.open_channel(config, CHANNEL_OPTIONS)
+        own = dial.open_channel(config, CHANNEL_OPTIONS, client_interceptors(metrics, tracer))
         app.state.stub = pb_grpc.ForgeStub(own)
         try:
             yield
@@ -54,10 +59,13 @@ def create_app(config: GatewayConfig, channel: grpc.aio.Channel | None = None) -
     app = FastAPI(title="Forge gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(RequestGuard, config=config)  # the API key and the body's bounds, before any parsing
     app.state.config = config
+    app.state.metrics = metrics
     if channel is not None:
         app.state.stub = pb_grpc.ForgeStub(channel)
     _install_error_handlers(app, config)
     _add_routes(app, config)
+    app.add_route("/metrics", metrics.endpoint, methods=["GET"], include_in_schema=False)
+    app.add_middleware(ObservabilityMiddleware, metrics=metrics, tracer=tracer)  # outermost: sees every answer
     return app
 
 
@@ -120,7 +128,8 @@ def _stub(request: Request) -> pb_grpc.ForgeStub:
 
 def _ids(request: Request, prefix: str) -> tuple[str, str]:
     """(gRPC request id, OpenAI response id): the client's X-Request-Id or a fresh one."""
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request_id = getattr(request.state, "request_id", None) or request.headers.get("x-request-id") \
+        or uuid.uuid4().hex
     return request_id, f"{prefix}-{request_id}"
 
 

@@ -16,6 +16,10 @@ class GatewayConfig:
     # When set, every path but /health requires `Authorization: Bearer <api_key>`.
     api_key: str | None = None
     log_level: str = "info"
+    # "text" or "json" (one object per line, with the request id and trace ids).
+    log_format: str = "text"
+    # OTLP/gRPC endpoint for traces; unset: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, else tracing is off.
+    otlp_traces_endpoint: str | None = None
     # gRPC deadline for a request whose client sends no `X-Request-Timeout` header (seconds).
     request_timeout_s: float = 600.0
     # ---- limits on one request (README "Gateway limits"); each refusal is OpenAI error JSON ----

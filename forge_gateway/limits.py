@@ -20,8 +20,8 @@ from forge_gateway.config import GatewayConfig
 from forge_gateway.errors import GatewayError, unauthorized
 from forge_gateway.models import ChatCompletionRequest, CompletionRequest, _Common
 
-# Probes reach these without the API key; everything else (the OpenAPI schema too) needs it.
-PUBLIC_PATHS = frozenset({"/health"})
+# Probes and Prometheus reach these without the API key; everything else (the OpenAPI schema too) needs it.
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 
 
 class RequestGuard:

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from forge_service.config import EngineConfig, ServiceConfig, engine_config_from_env, service_config_from_env
+from forge_service.logs import log_format
+
 
 def _bool(value: str) -> bool:
     return value.lower() in ("1", "true", "yes", "on")
@@ -39,6 +40,10 @@ SERVICE_FLAGS = [
     ("--drain-timeout-s", "drain_timeout_s", float, "how long in-flight requests may run after SIGTERM"),
     ("--api-key", "api_key", str, "require `Authorization: Bearer <key>` at the gateway"),
     ("--log-level", "log_level", str, "debug, info, warning or error"),
+    ("--log-format", "log_format", log_format, "text, or json: one object per line with request and trace ids"),
+    ("--metrics-port", "metrics_port", int, "Prometheus /metrics HTTP port of the service (0: off; default 9090)"),
+    ("--otlp-traces-endpoint", "otlp_traces_endpoint", str,
+     "OTLP/gRPC endpoint for traces (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; unset: no tracing)"),
     ("--grpc-api-key", "grpc_api_key", str, "require gRPC metadata `authorization: Bearer <key>` (default: --api-key)"),
     ("--enable-reflection", "enable_reflection", _bool, "serve gRPC reflection even while a key is required"),
     ("--tls-cert", "tls_cert", str, "PEM certificate chain: serve gRPC over TLS"),
@@ -69,15 +74,17 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServiceCo
     return engine, service
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def setup_logging(level: str, fmt: str = "text") -> None:
+    from forge_service.logs import setup_logging as setup
+
+    setup(level, fmt)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m forge_service", description="Forge gRPC service")
     add_arguments(parser)
     engine_config, service_config = configs_from_args(parser.parse_args(argv))
-    setup_logging(service_config.log_level)
+    setup_logging(service_config.log_level, service_config.log_format)
     from forge_service.server import serve
 
     serve(engine_config, service_config)

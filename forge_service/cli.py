@@ -35,7 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
     from forge_service.serve import run_all
 
     engine_config, service_config = configs_from_args(args)
-    setup_logging(service_config.log_level)
+    setup_logging(service_config.log_level, service_config.log_format)
     run_all(engine_config, service_config)
     return 0
 

@@ -98,12 +98,28 @@ class ServiceConfig:
     max_pending_tokenize: int = 64
     limits: LimitsConfig = LimitsConfig()
     log_level: str = "info"
+    # "text" or "json" (one object per line, with the request id and trace ids).
+    log_format: str = "text"
+    # Prometheus /metrics on this HTTP port (`forge serve` and `python -m forge_service`); 0: off.
+    metrics_port: int = 9090
+    # OTLP/gRPC endpoint for traces; unset: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, else tracing is off.
+    otlp_traces_endpoint: str | None = None
 
     @property
     def grpc_key(self) -> str | None:
         """The key gRPC calls must carry, or None when the port is open."""
         key = self.api_key if self.grpc_api_key is None else self.grpc_api_key
         return key or None
+
+
+def traces_endpoint(configured: str | None, env: Mapping[str, str] | None = None) -> str | None:
+    """Where traces go: the flag or FORGE_OTLP_TRACES_ENDPOINT, else the standard OTEL_* variables;
+    None (tracing off) when none is set or OTEL_SDK_DISABLED / OTEL_TRACES_EXPORTER=none say so."""
+    env = os.environ if env is None else env
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true" or env.get("OTEL_TRACES_EXPORTER", "") == "none":
+        return None
+    return (configured or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+            or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None)
 
 
 def _coerce(value: str, current: Any, name: str) -> Any:

@@ -18,7 +18,10 @@ import uvicorn
 from forge_gateway.app import create_app
 from forge_gateway.config import GatewayConfig, gateway_config_from_env
 from forge_service.config import EngineConfig, ServiceConfig
+from forge_service.logs import uvicorn_log_config
+from forge_service.metrics import metrics_endpoint
 from forge_service.server import ForgeService, build_service
+from forge_service.tracing import traced
 
 log = logging.getLogger(__name__)
 # How long uvicorn waits for open HTTP connections once the service has drained.
@@ -39,14 +42,16 @@ def gateway_config(service_config: ServiceConfig, grpc_port: int, local_socket: 
     # FORGE_* variables set the gateway's own options (its limits among them); the service's flags win.
     return gateway_config_from_env(target=target, host=service_config.host,
                                    http_port=service_config.http_port, api_key=service_config.api_key,
-                                   grpc_api_key=service_config.grpc_key, log_level=service_config.log_level)
+                                   grpc_api_key=service_config.grpc_key, log_level=service_config.log_level,
+                                   log_format=service_config.log_format)
 
 
 async def run_all_async(service: ForgeService, service_config: ServiceConfig,
                         stop: asyncio.Event | None = None) -> None:
     """Start `service` and a gateway in front of it; return after SIGTERM/SIGINT (or `stop`) and a drain.
 
-    With TLS on the gRPC port the gateway reaches the service over a Unix socket in a private directory."""
+    With TLS on the gRPC port the gateway reaches the service over a Unix socket in a private directory.
+    The gateway traces with the service's tracer."""
     with contextlib.ExitStack() as stack:
         local_socket = None
         if service_config.tls_cert:
@@ -56,8 +61,10 @@ async def run_all_async(service: ForgeService, service_config: ServiceConfig,
 
 
 async def _serve_with_gateway(service: ForgeService, config: GatewayConfig, stop: asyncio.Event | None) -> None:
-    http = _Uvicorn(uvicorn.Config(create_app(config), host=config.host, port=config.http_port,
-                                   log_level=config.log_level, timeout_graceful_shutdown=_HTTP_GRACE_S))
+    http = _Uvicorn(uvicorn.Config(create_app(config, tracer=service.tracer), host=config.host,
+                                   port=config.http_port, log_level=config.log_level,
+                                   log_config=uvicorn_log_config(config.log_format),
+                                   timeout_graceful_shutdown=_HTTP_GRACE_S))
     gateway = asyncio.create_task(http.serve())
     try:
         await service.run(stop)  # loads, serves, and on a signal drains and stops the gRPC server
@@ -67,5 +74,9 @@ async def _serve_with_gateway(service: ForgeService, config: GatewayConfig, stop
 
 
 def run_all(engine_config: EngineConfig, service_config: ServiceConfig) -> None:
-    """Run the gRPC service and the gateway until SIGTERM/SIGINT; returns after a clean drain."""
-    asyncio.run(run_all_async(build_service(engine_config, service_config), service_config))
+    """Run the gRPC service and the gateway until SIGTERM/SIGINT; returns after a clean drain.
+    The service's metrics are on --metrics-port, the gateway's on its HTTP port."""
+    with traced(service_config.otlp_traces_endpoint, "forge") as tracer:
+        service = build_service(engine_config, service_config, tracer)
+        with metrics_endpoint(service.metrics.registry, service_config.host, service_config.metrics_port):
+            asyncio.run(run_all_async(service, service_config))

@@ -15,13 +15,17 @@ from typing import Any, AsyncIterator, Callable, Iterator
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.trace import Tracer
 
 from forge_service import auth, convert, limits
 from forge_service.admission import TokenizerPool, check_prompt_chars, longest_token_chars
 from forge_service.config import EngineConfig, ServiceConfig
 from forge_service.engine.async_engine import AsyncEngine, SyncEngine
-from forge_service.errors import ForgeError, ModelNotFound, Unavailable, bounded_details, error_metadata, excerpt, \
-    grpc_status
+from forge_service.errors import ForgeError, ModelNotFound, QueueFull, Unavailable, bounded_details, error_metadata, \
+    excerpt, grpc_status
+from forge_service.metrics import ServiceMetrics, metrics_endpoint
+from forge_service.rpc_observer import RpcRecord, observe_rpc
+from forge_service.tracing import MonotonicClock, traced
 from forge_service.wire import UndecodableRequestGuard
 from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
@@ -71,22 +75,28 @@ class ForgeServicer(pb_grpc.ForgeServicer):
         self._service = service
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        async with self._rpc(context) as model:
-            prepared = await self._service.prepare(request, model)
-            result = convert.GenerateAccumulator(prepared.request_id, model.name, len(prepared.prompt), prepared.output)
-            async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
-                async for output in outputs:
-                    result.add(output)
-            return result.response()
+        with self._service.observe("Generate", request, context) as rpc:
+            async with self._rpc(context) as model:
+                prepared = await self._service.prepare(request, model)
+                rpc.prepared(model.name, prepared.prompt, prepared.params)
+                result = convert.GenerateAccumulator(prepared.request_id, model.name, len(prepared.prompt), prepared.output)
+                async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
+                    async for output in outputs:
+                        result.add(output)
+                        rpc.output(output)
+                return result.response()
 
     async def Stream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        async with self._rpc(context) as model:
-            prepared = await self._service.prepare(request, model)
-            encoder = convert.StreamEncoder(prepared.request_id, len(prepared.prompt), prepared.output)
-            async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
-                async for output in outputs:
-                    for message in encoder.messages(output):
-                        await context.write(message)
+        with self._service.observe("Stream", request, context) as rpc:
+            async with self._rpc(context) as model:
+                prepared = await self._service.prepare(request, model)
+                rpc.prepared(model.name, prepared.prompt, prepared.params)
+                encoder = convert.StreamEncoder(prepared.request_id, len(prepared.prompt), prepared.output)
+                async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
+                    async for output in outputs:
+                        rpc.output(output)
+                        for message in encoder.messages(output):
+                            await context.write(message)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         return self._service.health_response()
@@ -112,6 +122,8 @@ class ForgeServicer(pb_grpc.ForgeServicer):
                 await _abort_internal(context, error)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before generation finished")
         except ForgeError as error:
+            if isinstance(error, QueueFull):
+                self._service.metrics.count_rejected()
             await context.abort(grpc_status(error), bounded_details(str(error)), error_metadata(error))
         except grpc.aio.AbortError:
             raise
@@ -170,8 +182,11 @@ class ForgeService:
     """
 
     def __init__(self, config: ServiceConfig, engine_factory: Callable[[], SyncEngine],
-                 max_waiting: int = 0, model_name: str = "") -> None:
+                 max_waiting: int = 0, model_name: str = "", tracer: Tracer | None = None) -> None:
         self.config = config
+        self.metrics = ServiceMetrics()
+        self.tracer = tracer  # None: tracing off
+        self._clock = MonotonicClock()
         self._engine_factory = engine_factory
         self._max_waiting = max_waiting
         self._configured_name = model_name
@@ -214,6 +229,8 @@ class ForgeService:
         engine = await _in_daemon_thread(self._engine_factory)
         longest = await _in_daemon_thread(lambda: longest_token_chars(engine.tokenizer))
         async_engine = AsyncEngine(engine, max_waiting=self._max_waiting)
+        if self.config.metrics_port:  # 0: no metrics, nothing observed on the engine thread
+            engine.observer = self.metrics.watch(engine.model_name, async_engine.stats)
         async_engine.start()
         self.model = LoadedModel(async_engine, engine.tokenizer, engine.model_name, engine.max_model_len,
                                  int(time.time()), longest)
@@ -221,6 +238,11 @@ class ForgeService:
             self.phase = Phase.READY
             await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("model %s ready in %.1f s", engine.model_name, time.monotonic() - started)
+
+    def observe(self, method: str, request: pb.GenerateRequest,
+                context: grpc.aio.ServicerContext) -> contextlib.AbstractContextManager[RpcRecord]:
+        """The RPC's request id, server span and completion log line (forge_service.rpc_observer)."""
+        return observe_rpc(method, request, context, self.tracer, self._clock)
 
     @contextlib.contextmanager
     def track(self) -> Iterator[LoadedModel]:
@@ -354,18 +376,22 @@ def engine_factory(engine_config: EngineConfig) -> Callable[[], SyncEngine]:
     return load
 
 
-def build_service(engine_config: EngineConfig, service_config: ServiceConfig) -> ForgeService:
+def build_service(engine_config: EngineConfig, service_config: ServiceConfig,
+                  tracer: Tracer | None = None) -> ForgeService:
     return ForgeService(service_config, engine_factory(engine_config),
                         max_waiting=engine_config.scheduler.max_waiting,
-                        model_name=engine_config.model.served_model_name or "")
+                        model_name=engine_config.model.served_model_name or "", tracer=tracer)
 
 
-async def serve_async(engine_config: EngineConfig, service_config: ServiceConfig) -> None:
-    service = build_service(engine_config, service_config)
-    await service.start()
-    await service.run()
+async def serve_async(engine_config: EngineConfig, service_config: ServiceConfig,
+                      tracer: Tracer | None = None) -> None:
+    service = build_service(engine_config, service_config, tracer)
+    with metrics_endpoint(service.metrics.registry, service_config.host, service_config.metrics_port):
+        await service.start()
+        await service.run()
 
 
 def serve(engine_config: EngineConfig, service_config: ServiceConfig) -> None:
     """Run the gRPC service alone until SIGTERM/SIGINT; returns after a clean drain."""
-    asyncio.run(serve_async(engine_config, service_config))
+    with traced(service_config.otlp_traces_endpoint, "forge-service") as tracer:
+        asyncio.run(serve_async(engine_config, service_config, tracer))

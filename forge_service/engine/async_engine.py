@@ -30,7 +30,7 @@ class SyncEngine(Protocol):
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     label: str | None = None) -> None: ...
-    def abort_request(self, request_id: str) -> None: ...
+    def abort_request(self, request_id: str, reason: str = "abort") -> None: ...
     def step(self) -> list[Any]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> Any: ...
@@ -260,7 +260,7 @@ class AsyncEngine:
         self._failures += 1
         self._live.clear()
         for request_id in failed:
-            self._abort_quietly(request_id)
+            self._abort_quietly(request_id, "error")
             self._post(self._fail, request_id, ForgeError(f"internal engine error [error id {error_id}]"))
 
     def _abort_all(self) -> None:
@@ -268,9 +268,9 @@ class AsyncEngine:
             self._abort_quietly(request_id)
         self._live.clear()
 
-    def _abort_quietly(self, request_id: str) -> None:
+    def _abort_quietly(self, request_id: str, reason: str = "abort") -> None:
         try:
-            self.engine.abort_request(request_id)
+            self.engine.abort_request(request_id, reason)
         except Exception:  # the engine is already broken; the request's stream fails anyway
             log.exception("abort_request(%s) failed", request_id)
 

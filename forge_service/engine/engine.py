@@ -10,6 +10,7 @@ import torch
 
 from forge_service.backends import create_backend
 from forge_service.config import EngineConfig
+from forge_service.engine.observer import EngineObserver, NullObserver
 from forge_service.engine.output_processor import CompletionProcessor, TokenTexts
 from forge_service.engine.output_types import CompletionOutput, RequestOutput
 from forge_service.engine.request import Request, RequestStatus, SamplingParams
@@ -99,6 +100,8 @@ class LLMEngine:
         self.processors: dict[str, CompletionProcessor] = {}
         self.parents: dict[str, _Parent] = {}
         self.num_preemptions = 0
+        # Told what happens to each request (the service sets its metrics here).
+        self.observer: EngineObserver = NullObserver()
         log.info("loaded %s (%s) in %.1fs: %d KV blocks of %d tokens", path, self.dtype,
                  time.perf_counter() - started, self.runner.num_blocks, config.cache.block_size)
 
@@ -169,10 +172,16 @@ class LLMEngine:
                 f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: {wanted} tokens exceed "
                 f"the KV cache's capacity of {capacity} tokens by {wanted - capacity}")
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, reason: str = "abort") -> None:
+        """End a request early; `reason` ("abort", or "error" when the engine failed) is what
+        the observer is told."""
         parent = self.parents.pop(request_id, None)
+        now = time.monotonic()
         for child_id in parent.children if parent else []:
-            self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
+            child = self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
+            if child is not None:
+                child.times.finished = now
+                self.observer.finished(child, reason, now)
             self._forget(child_id)
 
     # ---- one step ----
@@ -182,23 +191,36 @@ class LLMEngine:
         A request whose admission, model run or output processing raises fails alone (finish
         reason "error", `RequestOutput.error` set, with its n siblings aborted); the others go on
         with exactly the tokens they would have had without it."""
+        started = time.monotonic()
         out = self.scheduler.schedule()
         deltas: dict[str, RequestOutput] = {}
+        dropped = {request.request_id: request for request, _ in out.failed}  # the scheduler let go of them
         for request, error in out.failed:
-            self._fail(request, error, deltas)
+            self._fail(request, error, deltas, dropped)
         if out.empty:
             self._fail_orphans(deltas)
             return list(deltas.values())
         self.num_preemptions += len(out.preempted)
+        self._observe_scheduled(out, started)
         sampled = self._execute(out, deltas)
+        now = time.monotonic()
         for chunk in out.chunks:
             s = sampled.get(chunk.request.request_id)
             try:
                 if self.scheduler.advance(chunk, None if s is None else s.token_id):
-                    self._emit(chunk.request, s, deltas)
+                    self._emit(chunk.request, s, deltas, now)
             except Exception as error:  # this request's output processing: it fails alone
                 self._fail(chunk.request, error, deltas)
+        self.observer.step(len(out.chunks), out.num_tokens, time.monotonic() - started)
         return list(deltas.values())
+
+    def _observe_scheduled(self, out: SchedulerOutput, now: float) -> None:
+        for request in out.preempted:
+            self.observer.preempted(request)
+        for chunk in out.chunks:
+            if chunk.request.times.scheduled is None:
+                self.observer.scheduled(chunk.request, now)
+                chunk.request.times.scheduled = now
 
     def _execute(self, out: SchedulerOutput, deltas: dict[str, RequestOutput]) -> dict[str, SampledToken]:
         """Run the step's batch. If it raises, retry without the newest admissions, then in halves,
@@ -225,28 +247,35 @@ class LLMEngine:
         return (self._run_isolating(chunks[:split], len(chunks[:split]) // 2, sampled)
                 + self._run_isolating(chunks[split:], len(chunks[split:]) // 2, sampled))
 
-    def _fail(self, request: Request, error: BaseException, deltas: dict[str, RequestOutput]) -> None:
+    def _fail(self, request: Request, error: BaseException, deltas: dict[str, RequestOutput],
+              dropped: dict[str, Request] | None = None) -> None:
         """End a failed request's whole prompt: the failed completion with "error", its siblings aborted."""
         error_id = uuid.uuid4().hex[:12]
         log.error("request %s (engine id %s) failed; stopped alone, the others go on [error id %s]",
-                  request.label, request.request_id, error_id, exc_info=error)
+                  request.label, request.request_id, error_id, exc_info=error, extra={"request_id": request.label})
         parent = self.parents.pop(request.parent_id, None)
         if parent is None:  # already ended
             return
         self._end_parent(parent, request.request_id, deltas,
                          f"internal engine error while computing this request; it was stopped and the "
-                         f"other requests went on [error id {error_id}]")
+                         f"other requests went on [error id {error_id}]",
+                         {request.request_id: request, **(dropped or {})})
 
     def _end_parent(self, parent: _Parent, failed_id: str | None, deltas: dict[str, RequestOutput],
-                    message: str) -> None:
+                    message: str, dropped: dict[str, Request] | None = None) -> None:
         out = deltas.setdefault(parent.request_id, RequestOutput(parent.request_id, parent.prompt_token_ids, []))
         out.finished, out.error = True, message
+        now = time.monotonic()
         for index, child_id in enumerate(parent.children):
             if child_id in parent.finished:
                 continue
             failed = failed_id is None or child_id == failed_id  # None: all of them
             status = RequestStatus.FINISHED_ERROR if failed else RequestStatus.FINISHED_ABORTED
-            self.scheduler.finish(child_id, status)
+            # Those whose admission failed are out of the scheduler already, but end here all the same.
+            child = self.scheduler.finish(child_id, status) or (dropped or {}).get(child_id)
+            if child is not None:
+                child.times.finished = now
+                self.observer.finished(child, status.finish_reason, now)
             self._forget(child_id)
             out.outputs.append(CompletionOutput(index=index, finish_reason=status.finish_reason))
 
@@ -262,7 +291,7 @@ class LLMEngine:
             parent = self.parents.pop(parent_id)
             self._end_parent(parent, None, deltas, f"internal engine error: the request was lost [error id {error_id}]")
 
-    def _emit(self, request: Request, s, deltas: dict[str, RequestOutput]) -> None:
+    def _emit(self, request: Request, s, deltas: dict[str, RequestOutput], now: float) -> None:
         processor = self.processors.get(request.request_id)
         parent = self.parents.get(request.parent_id)
         if processor is None or parent is None:  # aborted between schedule and now
@@ -271,11 +300,15 @@ class LLMEngine:
             self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ABORTED)
             request.status, request.stop_reason = RequestStatus.FINISHED_ABORTED, None
         delta, matched = processor.process(request, s)
+        self._observe_token(request, now)
         if matched is not None:
             self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
             request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, matched
         if request.status.finished:
             delta.finish_reason, delta.stop_reason = request.status.finish_reason, request.stop_reason
+            request.times.finished = now
+            self.observer.finished(request, request.status.finish_reason, now)
+            delta.times = request.times
             parent.finished.add(request.request_id)
             self._forget(request.request_id)
         out = deltas.setdefault(parent.request_id, RequestOutput(parent.request_id, parent.prompt_token_ids, []))
@@ -284,6 +317,12 @@ class LLMEngine:
         if len(parent.finished) == len(parent.children):
             out.finished = True
             del self.parents[parent.request_id]
+
+    def _observe_token(self, request: Request, now: float) -> None:
+        self.observer.token(request, now)
+        if request.times.first_token is None:
+            request.times.first_token = now
+        request.times.last_token = now
 
     def _forget(self, child_id: str) -> None:
         self.processors.pop(child_id, None)

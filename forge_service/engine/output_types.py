@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from forge_service.engine.request import RequestTimes
 
 
 @dataclass
@@ -26,6 +30,8 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # On a completion's last delta: when it was queued, scheduled, got its first token, finished.
+    times: RequestTimes | None = None
 
     @property
     def finished(self) -> bool:

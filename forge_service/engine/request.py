@@ -87,6 +87,17 @@ class SamplingParams:
                 raise InvalidArgument(f"stop_token_ids entry {token_id} is outside the vocabulary [0, {vocab_size})")
 
 
+@dataclass
+class RequestTimes:
+    """When things happened to one request (time.monotonic() seconds), for metrics and traces."""
+
+    queued: float = field(default_factory=time.monotonic)  # the engine took it
+    scheduled: float | None = None  # first scheduled (preemption does not reset it)
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -131,6 +142,7 @@ class Request:
     num_preemptions: int = 0
     # The token (id) or stop string that ended the request, when one did.
     stop_reason: int | str | None = None
+    times: RequestTimes = field(default_factory=RequestTimes)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -141,7 +141,7 @@ class FakeEngine:
         self.requests[request_id] = _FakeRequest(request_id, list(prompt_token_ids), params, seqs)
         self.added.append(request_id)
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, reason: str = "abort") -> None:
         self.thread_ids.add(threading.get_ident())
         if self.requests.pop(request_id, None) is not None:
             self.aborted.append(request_id)

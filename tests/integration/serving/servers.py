@@ -49,6 +49,7 @@ class ForgeProcess:
     grpc_port: int
     http_port: int
     log_path: Path
+    metrics_port: int = 0  # the service's Prometheus port
     started_at: float = field(default_factory=time.monotonic)
     _channel: grpc.Channel | None = None
 
@@ -134,19 +135,20 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 def running_forge(args: list[str], *, command: list[str] | None = None, cwd: Path = REPO,
                   env: dict[str, str] | None = None, grpc_port: int | None = None,
                   http_port: int | None = None) -> Iterator[ForgeProcess]:
-    """Start `forge serve ARGS --grpc-port G --http-port H` (or `command`, which must use the
-    ports it is given through `{grpc_port}`/`{http_port}`); always kill it on exit."""
-    grpc_port, http_port = grpc_port or free_port(), http_port or free_port()
-    ports = ["--grpc-port", str(grpc_port), "--http-port", str(http_port)]
+    """Start `forge serve ARGS --grpc-port G --http-port H --metrics-port M` (or `command`, which
+    must use the ports it is given through `{grpc_port}`/`{http_port}`/`{metrics_port}`); always
+    kill it on exit."""
+    grpc_port, http_port, metrics_port = grpc_port or free_port(), http_port or free_port(), free_port()
+    ports = ["--grpc-port", str(grpc_port), "--http-port", str(http_port), "--metrics-port", str(metrics_port)]
     argv = [str(FORGE), "serve", *args, *ports] if command is None else \
-        [part.format(grpc_port=grpc_port, http_port=http_port) for part in command]
+        [part.format(grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port) for part in command]
     log = Path(tempfile.mkstemp(prefix="forge-serve-", suffix=".log")[1])
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("FORGE_")}
     child_env.update(env or {})
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, cwd=cwd, env=child_env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    server = ForgeProcess(proc, grpc_port, http_port, log)
+    server = ForgeProcess(proc, grpc_port, http_port, log, metrics_port)
     try:
         yield server
     finally:

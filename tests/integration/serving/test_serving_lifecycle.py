@@ -186,7 +186,7 @@ def test_make_serve_on_a_fresh_checkout_answers_the_readme_curl_in_time(tmp_path
     # install stamp is up to date, and PYTHONPATH makes the checkout's code the code that runs.
     stamp = VENV / ".forge-installed"
     command = ["make", "-o", str(stamp), "serve", f"VENV={VENV}",
-               "ARGS=--grpc-port {grpc_port} --http-port {http_port}"]
+               "ARGS=--grpc-port {grpc_port} --http-port {http_port} --metrics-port {metrics_port}"]
     with running_forge([], command=command, cwd=checkout, env={"PYTHONPATH": str(checkout)}) as server:
         ask = curl.replace("localhost:8000", f"127.0.0.1:{server.http_port}") + " -w '\\n%{http_code}'"
         answer: dict[str, Any] = {}
