@@ -8,13 +8,14 @@ import sys
 from forge_gateway.config import GatewayConfig, gateway_config_from_env
 
 FLAGS = [
-    ("--target", "target", str, "the Forge gRPC service, HOST:PORT"),
+    ("--target", "target", str, "the Forge gRPC service: HOST:PORT, HOST:PORT,HOST:PORT,... or dns:///NAME:PORT"),
     ("--host", "host", str, "address to bind"),
     ("--port", "http_port", int, "HTTP port"),
     ("--api-key", "api_key", str, "require `Authorization: Bearer <key>`"),
     ("--log-level", "log_level", str, "debug, info, warning or error"),
     ("--request-timeout-s", "request_timeout_s", float, "gRPC deadline when the client sends none"),
     ("--retry-after-s", "retry_after_s", int, "Retry-After on 429 and 503"),
+    ("--ready-timeout-s", "ready_timeout_s", float, "how long a request waits for a ready replica before 503"),
 ]
 
 

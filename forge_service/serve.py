@@ -21,6 +21,8 @@ from forge_service.server import ForgeService, build_service
 log = logging.getLogger(__name__)
 # How long uvicorn waits for open HTTP connections once the service has drained.
 _HTTP_GRACE_S = 5
+# The one replica is in this process: waiting longer for it to become ready only delays the 503.
+_READY_TIMEOUT_S = 0.5
 
 
 class _Uvicorn(uvicorn.Server):
@@ -35,7 +37,7 @@ def gateway_config(service_config: ServiceConfig, grpc_port: int) -> GatewayConf
     target_host = "127.0.0.1" if service_config.host in ("0.0.0.0", "::", "") else service_config.host
     return GatewayConfig(target=f"{target_host}:{grpc_port}", host=service_config.host,
                          http_port=service_config.http_port, api_key=service_config.api_key,
-                         log_level=service_config.log_level)
+                         log_level=service_config.log_level, ready_timeout_s=_READY_TIMEOUT_S)
 
 
 async def run_all_async(service: ForgeService, service_config: ServiceConfig,
