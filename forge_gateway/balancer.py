@@ -44,26 +44,26 @@ _CONNECTION_OPTIONS = [
 # connection died first. Five attempts (gRPC's most) since round_robin may pick the same replica
 # twice. Throttled: once about 50 more calls have failed than a fifth of those that succeeded,
 # retries stop, so that a fleet that is down is not hammered.
+# How often a call waiting for its first replica looks at the channel's state.
+_POLL_S = 0.05
 RETRY_POLICY = {"maxAttempts": 5, "initialBackoff": "0.1s", "maxBackoff": "1s", "backoffMultiplier": 2,
                 "retryableStatusCodes": ["UNAVAILABLE"]}
 
 
-def service_config(health_checked: bool = True) -> dict[str, Any]:
-    """The gRPC service config: round_robin, client-side health checking, retries, waitForReady."""
-    config: dict[str, Any] = {
-        "loadBalancingConfig": [{"round_robin": {}}],
-        "methodConfig": [{"name": [{"service": READINESS_SERVICE}], "waitForReady": True,
-                          "retryPolicy": RETRY_POLICY}],
-        "retryThrottling": {"maxTokens": 100, "tokenRatio": 0.1},
-    }
-    if health_checked:
+def service_config(work: bool = True) -> dict[str, Any]:
+    """The gRPC service config: round_robin; for the work channel also client-side health
+    checking, waitForReady (bounded by Replicas.admitted) and retries. The probe channel fails fast."""
+    config: dict[str, Any] = {"loadBalancingConfig": [{"round_robin": {}}]}
+    if work:
         config["healthCheckConfig"] = {"serviceName": READINESS_SERVICE}
+        config["methodConfig"] = [{"name": [{"service": READINESS_SERVICE}], "waitForReady": True,
+                                   "retryPolicy": RETRY_POLICY}]
+        config["retryThrottling"] = {"maxTokens": 100, "tokenRatio": 0.1}
     return config
 
 
-def channel_options(health_checked: bool = True) -> list[tuple[str, Any]]:
-    return [*_MESSAGE_LIMITS, *_CONNECTION_OPTIONS,
-            ("grpc.service_config", json.dumps(service_config(health_checked)))]
+def channel_options(work: bool = True) -> list[tuple[str, Any]]:
+    return [*_MESSAGE_LIMITS, *_CONNECTION_OPTIONS, ("grpc.service_config", json.dumps(service_config(work)))]
 
 
 def channel_target(target: str) -> str:
@@ -115,12 +115,18 @@ class Replicas:
     async def admitted(self, calls: Sequence[Any]) -> None:
         """Wait until a replica has admitted each call (its response headers came, or it ended).
 
-        A call waits for a ready replica (waitForReady) for at most ready_timeout_s while the
-        channel has none; then the calls are cancelled and the answer is 503."""
+        A call waits for a ready replica (waitForReady); once the channel has had none for
+        ready_timeout_s, the calls are cancelled and the answer is 503."""
+        loop = asyncio.get_running_loop()
         for call in calls:
             headers = asyncio.ensure_future(call.initial_metadata())
-            while not (await asyncio.wait({headers}, timeout=self.ready_timeout_s))[0]:
-                if self.channel.get_state() is not grpc.ChannelConnectivity.READY:
+            unready_since: float | None = None
+            while not (await asyncio.wait({headers}, timeout=_POLL_S))[0]:
+                if self.channel.get_state() is grpc.ChannelConnectivity.READY:
+                    unready_since = None  # dispatched to a replica (or retrying): its own deadline holds
+                elif unready_since is None:
+                    unready_since = loop.time()
+                elif loop.time() - unready_since >= self.ready_timeout_s:
                     headers.cancel()
                     for each in calls:
                         each.cancel()
@@ -133,7 +139,7 @@ class Replicas:
             why = "the service is " + pb.ServingState.Name(state.state).removeprefix("SERVING_STATE_").lower()
         except grpc.aio.AioRpcError as error:
             why = f"no replica answers ({error.code().name})"
-        return GatewayError(503, f"no ready replica within {self.ready_timeout_s:g} s: {why}; retry later",
+        return GatewayError(503, f"no ready replica: {why}; retry later",
                             "service_unavailable", code="unavailable")
 
     async def health(self) -> pb.HealthResponse:
@@ -156,8 +162,9 @@ class Replicas:
 async def open_replicas(config: GatewayConfig) -> AsyncIterator[Replicas]:
     """The work channel (health-checked round_robin) and the probe channel to config.target."""
     target = channel_target(config.target)
-    work = grpc.aio.insecure_channel(target, options=channel_options(health_checked=True))
-    probe = grpc.aio.insecure_channel(target, options=channel_options(health_checked=False))
+    work = grpc.aio.insecure_channel(target, options=channel_options(work=True))
+    probe = grpc.aio.insecure_channel(target, options=channel_options(work=False))
+    work.get_state(try_to_connect=True)  # connect and learn the replicas' health before the first request
     try:
         yield Replicas(pb_grpc.ForgeStub(work), pb_grpc.ForgeStub(probe), work, config.ready_timeout_s)
     finally:

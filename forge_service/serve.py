@@ -21,8 +21,8 @@ from forge_service.server import ForgeService, build_service
 log = logging.getLogger(__name__)
 # How long uvicorn waits for open HTTP connections once the service has drained.
 _HTTP_GRACE_S = 5
-# The one replica is in this process: waiting longer for it to become ready only delays the 503.
-_READY_TIMEOUT_S = 0.5
+# The one replica is in this process: waiting for it to become ready would only delay the 503.
+_READY_TIMEOUT_S = 0.0
 
 
 class _Uvicorn(uvicorn.Server):

@@ -54,7 +54,8 @@ def test_service_config_balances_health_checks_and_retries_only_unavailable() ->
     assert method["name"] == [{"service": "forge.v1.Forge"}] and method["waitForReady"] is True
     assert method["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
     assert options["grpc.keepalive_time_ms"] > 0
-    assert "healthCheckConfig" not in json.loads(dict(balancer.channel_options(False))["grpc.service_config"])
+    probe = json.loads(dict(balancer.channel_options(work=False))["grpc.service_config"])
+    assert probe == {"loadBalancingConfig": [{"round_robin": {}}]}  # sees every replica, fails fast
 
 
 # ---- replicas with fake engines behind one gateway ------------------------------------------
