@@ -18,10 +18,24 @@ FLAGS = [
     ("--ready-timeout-s", "ready_timeout_s", float, "how long a request waits for a ready replica before 503"),
 ]
 
+# Limits on one request (README "Gateway limits").
+LIMIT_FLAGS = [
+    ("--max-body-bytes", "max_body_bytes", int, "largest request body; past it 413"),
+    ("--max-json-depth", "max_json_depth", int, "deepest nesting of the JSON body; past it 400"),
+    ("--max-unknown-field-bytes", "max_unknown_field_bytes", int, "JSON size of ignored unknown fields; past it 400"),
+    ("--max-prompts", "max_prompts", int, "prompts in one /v1/completions batch; past it 400"),
+    ("--max-messages", "max_messages", int, "messages in one chat request; past it 400"),
+    ("--max-stop", "max_stop", int, "entries in stop and in stop_token_ids; past it 400"),
+    ("--max-stop-chars", "max_stop_chars", int, "characters in one stop string; past it 400"),
+    ("--max-n", "max_n", int, "completions per prompt (n); past it 400"),
+    ("--max-n-tokens", "max_n_tokens", int, "prompts x n x max_tokens; past it 400"),
+    ("--max-logit-bias", "max_logit_bias", int, "entries in logit_bias; past it 400"),
+]
+
 
 def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     parser = argparse.ArgumentParser(prog="python -m forge_gateway", description="Forge OpenAI-compatible gateway")
-    for flag, dest, kind, help_text in FLAGS:
+    for flag, dest, kind, help_text in FLAGS + LIMIT_FLAGS:
         parser.add_argument(flag, dest=dest, type=kind, default=None, help=help_text)
     return gateway_config_from_env(**vars(parser.parse_args(argv)))
 

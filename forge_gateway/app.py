@@ -8,21 +8,22 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
+import math
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forge_gateway import balancer, convert
 from forge_gateway.config import GatewayConfig
-from forge_gateway.errors import GatewayError, from_grpc, internal_error, unauthorized, validation_error
+from forge_gateway.errors import GatewayError, from_grpc, internal_error, validation_error
 from forge_gateway.models import ChatCompletionRequest, CompletionRequest
+from forge_gateway.limits import RequestGuard, check_request
 from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
 
@@ -47,6 +48,7 @@ def create_app(config: GatewayConfig, channel: grpc.aio.Channel | None = None) -
             yield
 
     app = FastAPI(title="Forge gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(RequestGuard, config=config)  # the API key and the body's bounds, before any parsing
     app.state.config = config
     if channel is not None:
         app.state.replicas = balancer.replicas_on(channel, config)
@@ -74,26 +76,18 @@ def _install_error_handlers(app: FastAPI, config: GatewayConfig) -> None:
 
 
 def _add_routes(app: FastAPI, config: GatewayConfig) -> None:
-    def authorize(request: Request) -> None:
-        if config.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise unauthorized("missing API key: send `Authorization: Bearer <key>`")
-        if not secrets.compare_digest(token.encode(), config.api_key.encode()):
-            raise unauthorized("incorrect API key provided")
-
-    auth = [Depends(authorize)]
-
-    @app.post("/v1/chat/completions", dependencies=auth)
+    # The API key is checked by RequestGuard, before the body is read.
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_request(body, config)
         return await _guard(_chat(request, body, config))
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_request(body, config)
         return await _guard(_completions(request, body, config))
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models(request: Request) -> Response:
         return await _guard(_models(request))
 
@@ -143,10 +137,16 @@ def _ids(request: Request, prefix: str) -> tuple[str, str]:
 
 def _timeout(request: Request, config: GatewayConfig) -> float:
     header = request.headers.get("x-request-timeout")
+    if not header:
+        return config.request_timeout_s
     try:
-        return min(float(header), config.request_timeout_s) if header else config.request_timeout_s
+        seconds = float(header)
     except ValueError:
-        raise GatewayError(400, f"X-Request-Timeout must be a number of seconds, got {header!r}") from None
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise GatewayError(400, f"X-Request-Timeout must be a positive number of seconds, got {header[:40]!r}",
+                           param="X-Request-Timeout", code="invalid_value")
+    return min(seconds, config.request_timeout_s)
 
 
 async def _chat(request: Request, body: ChatCompletionRequest, config: GatewayConfig) -> Response:
@@ -275,12 +275,15 @@ async def _merge(calls: list[Any]) -> AsyncIterator[tuple[int, pb.StreamResponse
             task.cancel()
 
 
-def _sse_event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+def _sse_event(payload: dict[str, Any], event: str | None = None) -> str:
+    name = f"event: {event}\n" if event else ""
+    return f"{name}data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 async def _sse(first: tuple[int, pb.StreamResponse], rest: AsyncIterator[tuple[int, pb.StreamResponse]],
                formatter: convert._Stream) -> AsyncIterator[str]:
+    """The stream's chunks, then `[DONE]`; a failure after the first chunk is one `error` event
+    (OpenAI error JSON) that ends the stream without `[DONE]`."""
     try:
         for chunk in formatter.start() + formatter.on_message(*first):
             yield _sse_event(chunk)
@@ -289,10 +292,17 @@ async def _sse(first: tuple[int, pb.StreamResponse], rest: AsyncIterator[tuple[i
                 yield _sse_event(chunk)
         for chunk in formatter.end():
             yield _sse_event(chunk)
-    except grpc.aio.AioRpcError as error:
-        yield _sse_event(from_grpc(error).body())
-    except Exception as error:  # a bug mid-stream: report it in the stream, with an id
-        yield _sse_event(internal_error(error).body())
+    except Exception as error:
+        yield _sse_event(_stream_error(error).body(), "error")
+        return
     finally:
         await rest.aclose()  # type: ignore[attr-defined]
     yield "data: [DONE]\n\n"
+
+
+def _stream_error(error: Exception) -> GatewayError:
+    if isinstance(error, GatewayError):  # e.g. a completion the server aborted
+        return error
+    if isinstance(error, grpc.aio.AioRpcError):
+        return from_grpc(error)
+    return internal_error(error)  # a bug mid-stream: reported in the stream, with an id

@@ -14,11 +14,33 @@ class GatewayConfig:
     target: str = "127.0.0.1:50051"
     host: str = "127.0.0.1"
     http_port: int = 8000
-    # When set, every /v1 endpoint requires `Authorization: Bearer <api_key>`.
+    # When set, every path but /health requires `Authorization: Bearer <api_key>`.
     api_key: str | None = None
     log_level: str = "info"
     # gRPC deadline for a request whose client sends no `X-Request-Timeout` header (seconds).
     request_timeout_s: float = 600.0
+    # ---- limits on one request (README "Gateway limits"); each refusal is OpenAI error JSON ----
+    # Request body, checked from Content-Length and while it arrives: 413 before it is all read.
+    max_body_bytes: int = 4 << 20
+    # Nesting of arrays and objects in the JSON body (a JSON Schema counts too): 400.
+    max_json_depth: int = 64
+    # Fields the API does not define are ignored up to this many bytes of JSON in all (keys and values): 400.
+    max_unknown_field_bytes: int = 64 << 10
+    # Prompts in one /v1/completions batch (each is one gRPC call): 400.
+    max_prompts: int = 64
+    # Messages in one chat request: 400.
+    max_messages: int = 1024
+    # Entries in `stop`, and in `stop_token_ids`: 400.
+    max_stop: int = 16
+    # Characters in one stop string (the service holds back that much streamed text): 400.
+    max_stop_chars: int = 1024
+    # Completions per prompt (`n`): 400.
+    max_n: int = 128
+    # n x max_tokens x prompts, the tokens one request may ask for (when max_tokens is given): 400.
+    max_n_tokens: int = 1 << 18
+    # Entries in `logit_bias`: 400.
+    max_logit_bias: int = 1024
+
     # Retry-After (seconds) on 429 and 503 answers.
     retry_after_s: int = 1
     # How long a request waits for a ready replica (none ready: all loading, draining or gone)

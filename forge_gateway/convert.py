@@ -6,11 +6,13 @@ import json
 import math
 from typing import Any
 
+from forge_gateway.errors import GatewayError
 from forge_gateway.models import ChatCompletionRequest, CompletionRequest, _Common
 from forge_service.pb import forge_pb2 as pb
 
-FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                  pb.FINISH_REASON_ABORT: "abort"}
+# Every finish reason a client may see, as OpenAI spells it. Any other (the server aborted the
+# completion, or sent none) is a server-side failure: a 5xx, or an `error` event mid-stream.
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 # OpenAI's "developer" role is its newer name for "system"; chat templates know "system".
 _ROLES = {"developer": "system"}
 
@@ -96,6 +98,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def finish_reason(message: Any) -> str:
+    """OpenAI's finish_reason for a finished choice; GatewayError 500 for one that did not complete."""
+    reason = FINISH_REASONS.get(message.finish_reason)
+    if reason is None:
+        value = message.finish_reason
+        name = pb.FinishReason.Name(value) if value in pb.FinishReason.values() else str(value)
+        raise GatewayError(500, f"completion {message.index} did not complete: the server ended it ({name})",
+                           "server_error", code="generation_failed")
+    return reason
+
+
 def _stop_reason(message: Any) -> int | str | None:
     which = message.WhichOneof("matched_stop")
     return getattr(message, which) if which else None
@@ -132,7 +145,7 @@ def chat_completion(resp: pb.GenerateResponse, response_id: str, created: int, m
         "index": c.index,
         "message": {"role": "assistant", "content": c.text, "refusal": None},
         "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
-        "finish_reason": FINISH_REASONS.get(c.finish_reason),
+        "finish_reason": finish_reason(c),
         "stop_reason": _stop_reason(c),
     } for c in resp.choices]
     return {"id": response_id, "object": "chat.completion", "created": created, "model": resp.model or model,
@@ -147,7 +160,7 @@ def text_completion(resps: list[pb.GenerateResponse], response_id: str, created:
         for c in resp.choices:
             choices.append({"index": p * n + c.index, "text": c.text,
                             "logprobs": completion_logprobs(c.logprobs, 0) if want_logprobs else None,
-                            "finish_reason": FINISH_REASONS.get(c.finish_reason), "stop_reason": _stop_reason(c)})
+                            "finish_reason": finish_reason(c), "stop_reason": _stop_reason(c)})
     total = [sum(getattr(r.usage, f) for r in resps) for f in ("prompt_tokens", "completion_tokens", "cached_tokens")]
     return {"id": response_id, "object": "text_completion", "created": created,
             "model": (resps[0].model if resps else "") or model, "choices": choices,
@@ -216,7 +229,7 @@ class ChatStream(_Stream):
                 "logprobs": chat_logprobs(chunk.logprobs) if self.want_logprobs else None, "finish_reason": None}
 
     def _final(self, index: int, final: pb.StreamFinal) -> dict[str, Any]:
-        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": FINISH_REASONS.get(final.finish_reason),
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(final),
                 "stop_reason": _stop_reason(final)}
 
 
@@ -237,5 +250,5 @@ class CompletionStream(_Stream):
         return {"index": index, "text": chunk.text, "logprobs": logprobs, "finish_reason": None}
 
     def _final(self, index: int, final: pb.StreamFinal) -> dict[str, Any]:
-        return {"index": index, "text": "", "logprobs": None, "finish_reason": FINISH_REASONS.get(final.finish_reason),
+        return {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason(final),
                 "stop_reason": _stop_reason(final)}

@@ -30,6 +30,10 @@ GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.ABORTED: (500, "server_error", None),
 }
 _RETRY_STATUSES = (429, 503)
+# RESOURCE_EXHAUSTED is a 429 only when the service marks it as its full queue in this trailing
+# metadata; otherwise it is a size bound (a message over gRPC's limit), which no retry can pass.
+ERROR_KIND_KEY, QUEUE_FULL = "forge-error-kind", "queue_full"
+_TOO_LARGE = (413, "invalid_request_error", "request_too_large")
 
 
 class GatewayError(Exception):
@@ -50,7 +54,16 @@ class GatewayError(Exception):
 
 def from_grpc(error: grpc.aio.AioRpcError) -> GatewayError:
     status, type_, code = GRPC_TO_HTTP.get(error.code(), (500, "server_error", None))
+    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and _error_kind(error) != QUEUE_FULL:
+        status, type_, code = _TOO_LARGE
     return GatewayError(status, error.details() or error.code().name, type_, code=code)
+
+
+def _error_kind(error: grpc.aio.AioRpcError) -> str | None:
+    for key, value in error.trailing_metadata() or ():
+        if key == ERROR_KIND_KEY:
+            return value if isinstance(value, str) else value.decode()
+    return None
 
 
 def internal_error(error: BaseException) -> GatewayError:

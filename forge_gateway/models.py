@@ -7,11 +7,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _INT32 = 2**31 - 1
+# Strict: a value of the wrong JSON type is a 400, never coerced ("3" is not an integer).
+# Unknown fields are kept (not dropped) so that limits.check_request can bound their size.
+_CONFIG = ConfigDict(extra="allow", strict=True)
 TokenId = Annotated[int, Field(ge=0, le=_INT32)]
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _CONFIG
 
     type: str
     text: str | None = None
@@ -24,7 +27,7 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _CONFIG
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -37,7 +40,7 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _CONFIG
 
     include_usage: bool = False
 
@@ -45,7 +48,7 @@ class StreamOptions(BaseModel):
 class JsonSchemaFormat(BaseModel):
     """response_format.json_schema. `strict` is accepted and always in effect: the schema is enforced."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(**_CONFIG, populate_by_name=True)
 
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
@@ -55,7 +58,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _CONFIG
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -70,7 +73,7 @@ class ResponseFormat(BaseModel):
 class _Common(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI + vLLM extensions)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _CONFIG
 
     model: str
     n: int = Field(1, ge=1)

@@ -1,7 +1,7 @@
 """The offline API: `LLM(model).generate(prompts, params)` and `LLM.chat(conversations, params)`."""
 from __future__ import annotations
 
-import itertools
+import uuid
 from typing import Any, Sequence, Union
 
 from forge_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -29,11 +29,13 @@ class LLM:
             num_threads=num_threads,
         ))
         self.tokenizer = self.engine.tokenizer
-        self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Prompts are strings or token-id lists; returns one RequestOutput per prompt, in order."""
+        """Prompts are strings or token-id lists; returns one RequestOutput per prompt, in order.
+
+        A prompt that made the engine fail comes back with `error` set and finish reason "error"
+        (its other completions "abort"); the other prompts are unaffected."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
@@ -61,7 +63,7 @@ class LLM:
         try:
             for prompt, text, p in zip(prompts, texts, params):
                 p = p or SamplingParams()
-                request_id = str(next(self._ids))
+                request_id = uuid.uuid4().hex
                 self.engine.add_request(request_id, prompt, p)
                 results[request_id] = RequestOutput(request_id, prompt, [CompletionOutput(i) for i in range(p.n)],
                                                     prompt=text)

@@ -14,7 +14,7 @@ from typing import Iterator
 import uvicorn
 
 from forge_gateway.app import create_app
-from forge_gateway.config import GatewayConfig
+from forge_gateway.config import GatewayConfig, gateway_config_from_env
 from forge_service.config import EngineConfig, ServiceConfig
 from forge_service.server import ForgeService, build_service
 
@@ -35,9 +35,10 @@ class _Uvicorn(uvicorn.Server):
 
 def gateway_config(service_config: ServiceConfig, grpc_port: int) -> GatewayConfig:
     target_host = "127.0.0.1" if service_config.host in ("0.0.0.0", "::", "") else service_config.host
-    return GatewayConfig(target=f"{target_host}:{grpc_port}", host=service_config.host,
-                         http_port=service_config.http_port, api_key=service_config.api_key,
-                         log_level=service_config.log_level, ready_timeout_s=_READY_TIMEOUT_S)
+    # FORGE_* variables set the gateway's own options (its limits among them); the service's flags win.
+    return gateway_config_from_env(target=f"{target_host}:{grpc_port}", host=service_config.host,
+                                   http_port=service_config.http_port, api_key=service_config.api_key,
+                                   log_level=service_config.log_level, ready_timeout_s=_READY_TIMEOUT_S)
 
 
 async def run_all_async(service: ForgeService, service_config: ServiceConfig,

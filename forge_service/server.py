@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator
 
 import grpc
@@ -63,9 +63,11 @@ class LoadedModel:
 
 @dataclass(frozen=True)
 class _Prepared:
-    request_id: str
+    request_id: str  # the client's id (or a made-up one): echoed, logged, never an engine key
     prompt: list[int]
     params: Any
+    # The engine's key: fresh per request, so a client's id can never reach another's request.
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 class ForgeServicer(pb_grpc.ForgeServicer):
@@ -135,8 +137,8 @@ async def _prepare(request: pb.GenerateRequest, model: LoadedModel) -> _Prepared
     return _Prepared(request.request_id or uuid.uuid4().hex, prompt, params)
 
 
-def _args(prepared: _Prepared) -> tuple[str, list[int], Any]:
-    return prepared.request_id, prepared.prompt, prepared.params
+def _args(prepared: _Prepared) -> tuple[str, list[int], Any, str]:
+    return prepared.engine_id, prepared.prompt, prepared.params, prepared.request_id
 
 
 def _time_remaining(context: grpc.aio.ServicerContext) -> float | None:

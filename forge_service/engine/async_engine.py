@@ -28,7 +28,8 @@ class SyncEngine(Protocol):
     """What AsyncEngine needs from forge_service.engine.engine.LLMEngine."""
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    label: str | None = None) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
     def step(self) -> list[Any]: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -40,6 +41,7 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    label: str | None
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,10 @@ class AsyncEngine:
     """Runs an engine's step loop on a dedicated thread and streams each request's outputs.
 
     `generate` yields the engine's delta RequestOutputs for one request until it finishes; if
-    the consumer stops early or is cancelled, the request is aborted in the engine. If the
-    engine's `step` raises, every request in flight fails with INTERNAL and the loop goes on.
+    the consumer stops early or is cancelled, the request is aborted in the engine. A request
+    that the engine failed alone (an output with `error` set) fails with INTERNAL and that
+    message; the others go on. If the engine's `step` itself raises, every request in flight
+    fails with INTERNAL and the loop goes on.
     """
 
     def __init__(self, engine: SyncEngine, max_waiting: int = 0) -> None:
@@ -119,14 +123,17 @@ class AsyncEngine:
         # shield: a cancelled RPC must not cancel a compile that other requests may share.
         await asyncio.shield(asyncio.wrap_future(compiler.compile_async(params.constraint)))
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[Any]:
-        """Submit a request and yield its RequestOutputs (deltas) until it finishes."""
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       label: str | None = None) -> AsyncIterator[Any]:
+        """Submit a request and yield its RequestOutputs (deltas) until it finishes.
+
+        `request_id` keys the request in the engine: the caller makes a fresh one (uuid4) per
+        request. `label` is the client's own id, for logs and traces; it may repeat."""
         self._admit(request_id, params.n)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = queue
         self._adds_submitted += params.n
-        self._submit(_Add(request_id, list(prompt_token_ids), params))
+        self._submit(_Add(request_id, list(prompt_token_ids), params, label))
         finished = False
         try:
             while True:
@@ -165,8 +172,10 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[Any]) -> None:
         for output in outputs:
             queue = self._streams.get(output.request_id)
-            if queue is not None:  # None: the consumer left and the abort is on its way
-                queue.put_nowait(output)
+            if queue is None:  # the consumer left and the abort is on its way
+                continue
+            error = getattr(output, "error", None)  # the engine failed this request alone
+            queue.put_nowait(ForgeError(error) if error else output)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         queue = self._streams.get(request_id)
@@ -223,7 +232,8 @@ class AsyncEngine:
 
     def _add(self, command: _Add) -> None:
         try:
-            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                    label=command.label)
         except ForgeError as error:
             self._post(self._fail, command.request_id, error)
         except Exception:  # a bug in the engine: this request fails, the others go on

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -10,14 +11,15 @@ import torch
 from forge_service.backends import create_backend
 from forge_service.config import EngineConfig
 from forge_service.engine.output_processor import CompletionProcessor, TokenTexts
-from forge_service.engine.output_types import RequestOutput
+from forge_service.engine.output_types import CompletionOutput, RequestOutput
 from forge_service.engine.request import Request, RequestStatus, SamplingParams
+from forge_service.engine.outputs import ScheduledChunk, SchedulerOutput
 from forge_service.engine.scheduler import Scheduler
 from forge_service.errors import InvalidArgument, QueueFull
 from forge_service.kv_cache.manager import KVCacheManager
 from forge_service.loaders import Checkpoint, default_model_path, load_checkpoint
 from forge_service.models.registry import build_model
-from forge_service.runner.model_runner import ModelRunner
+from forge_service.runner.model_runner import ModelRunner, SampledToken
 from forge_service.structured import GrammarCompiler, MatcherSet
 from forge_service.tokenizer import Tokenizer
 
@@ -98,32 +100,45 @@ class LLMEngine:
                  time.perf_counter() - started, self.runner.num_blocks, config.cache.block_size)
 
     # ---- requests in ----
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Validate and queue a prompt; raises InvalidArgument or QueueFull."""
-        if request_id in self.parents:
-            raise InvalidArgument(f"request id {request_id!r} is already in use")
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    label: str | None = None) -> None:
+        """Validate and queue a prompt; raises InvalidArgument or QueueFull and then leaves nothing behind.
+
+        `request_id` is the engine's key and must not be in use (the server makes a fresh one per
+        request); with n > 1, completion i runs as `<request_id>#<i>`. `label` is the client's id,
+        for logs and traces only (default: request_id)."""
         self.validate(prompt_token_ids, params)
         bound = self.config.scheduler.max_waiting
         if bound and self.scheduler.num_waiting + params.n > bound:
             raise QueueFull(f"the waiting queue is full ({self.scheduler.num_waiting} of {bound})")
+        label = request_id if label is None else label
+        children = [self._child(request_id, prompt_token_ids, params, i, label) for i in range(params.n)]
+        taken = next((i for i in [request_id, *(c.request_id for c in children)]
+                      if i in self.parents or i in self.processors), None)
+        if taken is not None:  # a parent's id and another's completion id must never meet either
+            raise InvalidArgument(f"request id {taken!r} is already in use")
         # A cache hit when the servicer compiled it off the loop first; offline, compiled here.
         grammar = None if params.constraint is None else self.grammar_compiler.compile(params.constraint)
-        children = [self._child(request_id, prompt_token_ids, params, i) for i in range(params.n)]
         self.parents[request_id] = _Parent(request_id, list(prompt_token_ids), [c.request_id for c in children])
-        for child in children:
-            self.processors[child.request_id] = CompletionProcessor(self.tokenizer, child, self.token_texts)
-            if grammar is not None:  # each completion its own matcher
-                self.runner.grammars.add(child.request_id, grammar)
-            self.scheduler.add(child)
+        try:
+            for child in children:
+                self.processors[child.request_id] = CompletionProcessor(self.tokenizer, child, self.token_texts)
+                if grammar is not None:  # each completion its own matcher
+                    self.runner.grammars.add(child.request_id, grammar)
+                self.scheduler.add(child)
+        except BaseException:
+            self.abort_request(request_id)  # all or nothing: no half-added request lingers
+            raise
 
-    def _child(self, request_id: str, prompt: list[int], params: SamplingParams, index: int) -> Request:
+    def _child(self, request_id: str, prompt: list[int], params: SamplingParams, index: int,
+               label: str) -> Request:
         stops = set(params.stop_token_ids)
         if not params.ignore_eos or params.constraint is not None:  # a grammar allows EOS only at its end
             stops.update(self.eos_token_ids)
         return Request(
             request_id=request_id if params.n == 1 else f"{request_id}#{index}",
             prompt_token_ids=list(prompt), sampling_params=params, stop_token_set=frozenset(stops),
-            max_model_len=self.max_model_len, parent_id=request_id, index=index,
+            max_model_len=self.max_model_len, parent_id=request_id, index=index, label=label,
             seed=None if params.seed is None else params.seed + index,
         )
 
@@ -156,22 +171,90 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; returns deltas of the requests that progressed."""
+        """Schedule, run the model once, sample; returns deltas of the requests that progressed.
+
+        A request whose admission, model run or output processing raises fails alone (finish
+        reason "error", `RequestOutput.error` set, with its n siblings aborted); the others go on
+        with exactly the tokens they would have had without it."""
         out = self.scheduler.schedule()
-        if out.empty:
-            return []
-        self.num_preemptions += len(out.preempted)
-        sampled = self.runner.execute(out)
-        self.scheduler.update(out, {s.request_id: s.token_id for s in sampled})
         deltas: dict[str, RequestOutput] = {}
-        for s in sampled:
-            request = self.scheduler.get(s.request_id) or self._finished_request(out, s.request_id)
-            self._emit(request, s, deltas)
+        for request, error in out.failed:
+            self._fail(request, error, deltas)
+        if out.empty:
+            self._fail_orphans(deltas)
+            return list(deltas.values())
+        self.num_preemptions += len(out.preempted)
+        sampled = self._execute(out, deltas)
+        for chunk in out.chunks:
+            s = sampled.get(chunk.request.request_id)
+            try:
+                if self.scheduler.advance(chunk, None if s is None else s.token_id):
+                    self._emit(chunk.request, s, deltas)
+            except Exception as error:  # this request's output processing: it fails alone
+                self._fail(chunk.request, error, deltas)
         return list(deltas.values())
 
-    @staticmethod
-    def _finished_request(out, request_id: str) -> Request:
-        return next(c.request for c in out.chunks if c.request.request_id == request_id)
+    def _execute(self, out: SchedulerOutput, deltas: dict[str, RequestOutput]) -> dict[str, SampledToken]:
+        """Run the step's batch. If it raises, retry without the newest admissions, then in halves,
+        until each failure is pinned to one request; only those fail. A failed run leaves no
+        request's state advanced (the runner restores generators and grammar matchers; the KV it
+        wrote lies in slots that are not yet counted as computed)."""
+        sampled: dict[str, SampledToken] = {}
+        old = len(out.chunks) - out.num_admitted
+        split = old if 0 < old < len(out.chunks) else len(out.chunks) // 2
+        for chunk, error in self._run_isolating(out.chunks, split, sampled):
+            self._fail(chunk.request, error, deltas)
+        return sampled
+
+    def _run_isolating(self, chunks: list[ScheduledChunk], split: int,
+                       sampled: dict[str, SampledToken]) -> list[tuple[ScheduledChunk, Exception]]:
+        try:
+            sampled.update((s.request_id, s) for s in self.runner.execute(SchedulerOutput(chunks=chunks)))
+            return []
+        except Exception as error:
+            if len(chunks) == 1:
+                return [(chunks[0], error)]
+            log.warning("a step over %d requests failed (%s: %s); retrying in parts to find the cause",
+                        len(chunks), type(error).__name__, error)
+        return (self._run_isolating(chunks[:split], len(chunks[:split]) // 2, sampled)
+                + self._run_isolating(chunks[split:], len(chunks[split:]) // 2, sampled))
+
+    def _fail(self, request: Request, error: BaseException, deltas: dict[str, RequestOutput]) -> None:
+        """End a failed request's whole prompt: the failed completion with "error", its siblings aborted."""
+        error_id = uuid.uuid4().hex[:12]
+        log.error("request %s (engine id %s) failed; stopped alone, the others go on [error id %s]",
+                  request.label, request.request_id, error_id, exc_info=error)
+        parent = self.parents.pop(request.parent_id, None)
+        if parent is None:  # already ended
+            return
+        self._end_parent(parent, request.request_id, deltas,
+                         f"internal engine error while computing this request; it was stopped and the "
+                         f"other requests went on [error id {error_id}]")
+
+    def _end_parent(self, parent: _Parent, failed_id: str | None, deltas: dict[str, RequestOutput],
+                    message: str) -> None:
+        out = deltas.setdefault(parent.request_id, RequestOutput(parent.request_id, parent.prompt_token_ids, []))
+        out.finished, out.error = True, message
+        for index, child_id in enumerate(parent.children):
+            if child_id in parent.finished:
+                continue
+            failed = failed_id is None or child_id == failed_id  # None: all of them
+            status = RequestStatus.FINISHED_ERROR if failed else RequestStatus.FINISHED_ABORTED
+            self.scheduler.finish(child_id, status)
+            self._forget(child_id)
+            out.outputs.append(CompletionOutput(index=index, finish_reason=status.finish_reason))
+
+    def _fail_orphans(self, deltas: dict[str, RequestOutput]) -> None:
+        """Nothing is left to schedule, so any request still open is a bug's leftover: end it with
+        an error rather than keep the engine busy forever."""
+        if self.scheduler.has_unfinished or not self.parents:
+            return
+        error_id = uuid.uuid4().hex[:12]
+        log.error("%d requests had nothing left to compute; failing them [error id %s]",
+                  len(self.parents), error_id)
+        for parent_id in list(self.parents):
+            parent = self.parents.pop(parent_id)
+            self._end_parent(parent, None, deltas, f"internal engine error: the request was lost [error id {error_id}]")
 
     def _emit(self, request: Request, s, deltas: dict[str, RequestOutput]) -> None:
         processor = self.processors.get(request.request_id)

@@ -24,7 +24,7 @@ class CompletionOutput:
     # Per generated token: [chosen, *top alternatives]; None when logprobs were not asked for.
     logprobs: list[list[Logprob]] | None = None
     cumulative_logprob: float | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property
@@ -40,6 +40,9 @@ class RequestOutput:
     finished: bool = False
     prompt: str | None = None
     num_cached_tokens: int = 0
+    # Set when the engine failed while computing this request (finish_reason "error"): a message
+    # for the client with an error id that is also in the log. The other requests went on.
+    error: str | None = None
 
     @property
     def usage(self) -> dict[str, int]:

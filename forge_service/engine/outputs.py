@@ -31,6 +31,10 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     # Requests preempted this step: their blocks were freed and they wait for recompute.
     preempted: list[Request] = field(default_factory=list)
+    # The last `num_admitted` chunks belong to requests admitted from the waiting queue this step.
+    num_admitted: int = 0
+    # Requests whose admission raised: already out of the scheduler, with the error.
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -94,10 +94,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the engine failed while computing it; the others went on
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                        RequestStatus.FINISHED_ERROR)
 
     @property
     def finish_reason(self) -> str | None:
@@ -117,6 +119,8 @@ class Request:
     max_model_len: int = 1 << 30
     parent_id: str | None = None
     index: int = 0  # which of the parent's n completions
+    # The client's id for logs and traces (X-Request-Id, gRPC request_id): never a key, may repeat.
+    label: str = ""
     seed: int | None = None  # this completion's seed (the parent's seed offset by index)
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)

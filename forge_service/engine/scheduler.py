@@ -52,8 +52,9 @@ class Scheduler:
         return self.kv.blocks_needed(num_tokens) <= self.kv.num_blocks
 
     def add(self, request: Request) -> None:
-        """Queue a request at the back. Raises InvalidArgument if its tokens could never fit."""
-        assert request.request_id not in self._requests, f"duplicate request id {request.request_id}"
+        """Queue a request at the back. Raises InvalidArgument if its id is taken or its tokens could never fit."""
+        if request.request_id in self._requests:
+            raise InvalidArgument(f"request id {request.request_id!r} is already queued or running")
         if request.num_tokens == 0:
             raise InvalidArgument("the prompt is empty")
         if not self.can_ever_fit(request.num_tokens):
@@ -74,19 +75,24 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance the scheduled requests; append sampled tokens. Returns requests that got a token."""
-        got_token = []
-        for chunk in out.chunks:
-            request = chunk.request
-            if self._requests.get(request.request_id) is not request:
-                continue  # finished (aborted, stop string) since schedule()
-            assert request.num_computed_tokens == chunk.start, (request.request_id, chunk.start)
-            samples = chunk.samples  # before the new token moves num_tokens
-            request.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids_slice)
-            if samples:
-                self._append_token(request, sampled[request.request_id])
-                got_token.append(request)
-        return got_token
+        return [c.request for c in out.chunks if self.advance(c, sampled.get(c.request.request_id))]
+
+    def advance(self, chunk: ScheduledChunk, token_id: int | None) -> bool:
+        """Mark one chunk computed and append its sampled token (None when it does not sample).
+        Returns whether the request got a token; False also when it finished (aborted, stop
+        string, failed) since schedule()."""
+        request = chunk.request
+        if self._requests.get(request.request_id) is not request:
+            return False
+        assert request.num_computed_tokens == chunk.start, (request.request_id, chunk.start)
+        samples = chunk.samples  # before the new token moves num_tokens
+        request.num_computed_tokens += chunk.num_tokens
+        self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids_slice)
+        if not samples:
+            return False
+        assert token_id is not None, f"no token sampled for {request.request_id}"
+        self._append_token(request, token_id)
+        return True
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request (abort, stop string): dequeue it, free its blocks. None if unknown."""
@@ -134,21 +140,40 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cached = self.kv.match_prefix(request.request_id, request.all_token_ids)
-            request.num_computed_tokens = cached
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            block_ids = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n)
-            if block_ids is None:
-                self.kv.free(request.request_id)  # give back the shared prefix until it can run
-                request.num_computed_tokens = 0
+            try:
+                chunk = self._admit(request, budget)
+            except Exception as error:  # something in this request's tokens: it fails alone, the queue goes on
+                self._drop_head(request, error, out)
+                continue
+            if chunk is None:
                 return  # FIFO: nobody overtakes the head of the queue
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n, block_ids))
-            budget -= n
+            out.chunks.append(chunk)
+            out.num_admitted += 1
+            budget -= chunk.num_tokens
+
+    def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
+        """The first chunk of the head of the queue, after its prefix-cache hit; None if it does not fit now."""
+        cached = self.kv.match_prefix(request.request_id, request.all_token_ids)
+        request.num_computed_tokens = cached
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        block_ids = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n)
+        if block_ids is None:
+            self.kv.free(request.request_id)  # give back the shared prefix until it can run
+            request.num_computed_tokens = 0
+            return None
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = cached
+        return ScheduledChunk(request, request.num_computed_tokens, n, block_ids)
+
+    def _drop_head(self, request: Request, error: Exception, out: SchedulerOutput) -> None:
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        self._remove(request, self.waiting)
+        request.status = RequestStatus.FINISHED_ERROR
+        out.failed.append((request, error))
 
     def _append_token(self, request: Request, token_id: int) -> None:
         request.output_token_ids.append(token_id)

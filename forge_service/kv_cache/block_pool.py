@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable
 
+from forge_service.kv_cache.block_hash import BlockHash
+
 
 class BlockPool:
     """Blocks 0..num_blocks-1 with reference counts and a FIFO free queue.
@@ -22,8 +24,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         # Per block: the hash of the tokens it holds (prefix + its own), None when not cached.
-        self.block_hashes: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, int] = {}  # block hash -> block id
         # An OrderedDict (not a deque) so that a cache hit can take a block out of the middle in O(1).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
@@ -61,7 +63,7 @@ class BlockPool:
             if self.ref_counts[block_id] == 0:
                 self._free[block_id] = None
 
-    def cache_block(self, block_id: int, block_hash: int) -> None:
+    def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
         """Record that an allocated, full block holds the tokens hashed to `block_hash`."""
         assert self.ref_counts[block_id] > 0, f"block {block_id} is not allocated"
         if self.block_hashes[block_id] is not None or block_hash in self.cached:
@@ -69,7 +71,7 @@ class BlockPool:
         self.block_hashes[block_id] = block_hash
         self.cached[block_hash] = block_id
 
-    def get_cached_block(self, block_hash: int) -> int | None:
+    def get_cached_block(self, block_hash: BlockHash) -> int | None:
         """The block holding `block_hash`, allocated or still in the free queue; the caller increfs it."""
         return self.cached.get(block_hash)
 

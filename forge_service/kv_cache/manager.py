@@ -3,11 +3,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from forge_service.kv_cache.block_hash import ROOT, BlockHash, hash_block
 from forge_service.kv_cache.block_pool import BlockPool
-
-# A full block's key: (the previous block's key, this block's token ids). Keys are compared by
-# value, so two blocks share a key only when their whole prefixes are equal: no hash collisions.
-BlockKey = tuple
 
 
 class KVCacheManager:
@@ -23,7 +20,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.prefix_caching = prefix_caching
         self._tables: dict[str, list[int]] = {}
-        self._keys: dict[str, list[BlockKey]] = {}  # keys of each request's full, computed blocks
+        self._keys: dict[str, list[BlockHash]] = {}  # keys of each request's full, computed blocks
 
     @property
     def num_blocks(self) -> int:
@@ -79,12 +76,12 @@ class KVCacheManager:
         least one token is computed and yields logits)."""
         if not self.prefix_caching or self._tables.get(request_id):
             return 0
-        key: BlockKey | None = None
+        key = ROOT
         blocks: list[int] = []
-        keys: list[BlockKey] = []
+        keys: list[BlockHash] = []
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
-            key = (key, tuple(token_ids[i * bs:(i + 1) * bs]))
+            key = hash_block(key, token_ids[i * bs:(i + 1) * bs])
             block = self.pool.get_cached_block(key)
             if block is None:
                 break
@@ -104,6 +101,6 @@ class KVCacheManager:
         table = self._tables.get(request_id, [])
         bs = self.block_size
         for i in range(len(keys), min(num_computed // bs, len(table))):
-            key = (keys[-1] if keys else None, tuple(token_ids_slice(i * bs, (i + 1) * bs)))
+            key = hash_block(keys[-1] if keys else ROOT, token_ids_slice(i * bs, (i + 1) * bs))
             keys.append(key)
             self.pool.cache_block(table[i], key)

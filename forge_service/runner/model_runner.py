@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -143,7 +144,29 @@ class ModelRunner:
             self.generators[req.request_id] = torch.Generator().manual_seed(req.seed)
         return self.generators[req.request_id]
 
+    def _checkpoint(self, chunks: list[ScheduledChunk]) -> Callable[[], None]:
+        """Save what sampling advances per request (seeded generators, grammar matchers); the
+        returned function restores it, so that a step that fails leaves every request as it was."""
+        generators = [(g, g.get_state()) for c in chunks if (g := self._generator(c)) is not None]
+        matchers = [] if self.grammars is None else [
+            (m, m.num_tokens) for c in chunks if (m := self.grammars.get(c.request.request_id)) is not None]
+
+        def restore() -> None:
+            for generator, state in generators:
+                generator.set_state(state)
+            for matcher, num_tokens in matchers:
+                matcher.rollback(matcher.num_tokens - num_tokens)
+        return restore
+
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[SampledToken]:
+        restore = self._checkpoint(chunks)
+        try:
+            return self._sample_rows(logits, chunks)
+        except BaseException:
+            restore()
+            raise
+
+    def _sample_rows(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[SampledToken]:
         rows = [RowSampling(params=c.request.sampling_params, prompt_token_ids=c.request.prompt_token_ids,
                             output_token_ids=c.request.output_token_ids, generator=self._generator(c),
                             seed=c.request.seed)

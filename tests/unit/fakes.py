@@ -114,6 +114,7 @@ class FakeEngine:
         self.block_adds = False
         self.requests: dict[str, _FakeRequest] = {}
         self.added: list[str] = []
+        self.labels: dict[str, str] = {}  # engine id -> the client's label
         self.aborted: list[str] = []
         self.steps = 0
         self.thread_ids: set[int] = set()
@@ -123,8 +124,10 @@ class FakeEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         params.validate(self.tokenizer.vocab_size)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    label: str | None = None) -> None:
         self.thread_ids.add(threading.get_ident())
+        self.labels[request_id] = request_id if label is None else label
         if self.block_adds:
             raise QueueFull("fake engine queue is full")
         params.validate(self.tokenizer.vocab_size)

@@ -246,3 +246,14 @@ def test_admission_sends_the_replica_header_before_any_token_and_counts_in_healt
             await service.stop()
 
     asyncio.run(main())
+
+
+def test_probes_need_no_api_key() -> None:
+    async def main() -> tuple[int, int, int]:
+        async with grpc.aio.insecure_channel("127.0.0.1:1") as channel:
+            app = create_app(GatewayConfig(api_key="sekret", ready_timeout_s=0.1), channel=channel)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+                live, ready = (await c.get("/livez")).status_code, (await c.get("/health")).status_code
+                return live, ready, (await c.get("/v1/models")).status_code
+
+    assert asyncio.run(main()) == (200, 503, 401)  # alive; not ready (no replica); the API still needs the key

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.timeout(60)
 S = grpc.StatusCode
 ERRORS = {
     "queue-full": (S.RESOURCE_EXHAUSTED, "the waiting queue is full: 3 requests waiting, the bound is 3"),
+    "too-large": (S.RESOURCE_EXHAUSTED, "Received message larger than max (70000000 vs. 67108864)"),
     "draining": (S.UNAVAILABLE, "the service is draining"),
     "bad-arg": (S.INVALID_ARGUMENT, "top_p must be in (0, 1], got 5.0"),
     "crash": (S.INTERNAL, "internal error [error id abc123]"),
@@ -55,6 +56,8 @@ class FakeForge(pb_grpc.ForgeServicer):
         if request.model == "missing":
             context.abort(S.NOT_FOUND, "model 'missing' is not served here; this server serves 'fake-model'")
         prompt = prompt_of(request)
+        if prompt == "queue-full":  # the service marks its one retryable RESOURCE_EXHAUSTED
+            context.set_trailing_metadata((("forge-error-kind", "queue_full"),))
         if prompt in ERRORS:
             context.abort(*ERRORS[prompt])
         if prompt == "slow":
@@ -192,8 +195,12 @@ def chat_body(content: str = "hi", **fields: Any) -> dict[str, Any]:
     return {"model": "fake-model", "messages": [{"role": "user", "content": content}], **fields}
 
 
-def sse_events(response: httpx.Response) -> list[Any]:
+def sse_events(response: httpx.Response, failed: bool = False) -> list[Any]:
+    """The data of each event. A stream that `failed` ends with one `event: error` and no [DONE]."""
     lines = [line for line in response.iter_lines() if line]
+    if failed:
+        assert lines[-2] == "event: error" and "[DONE]" not in lines[-1]
+        lines = lines[:-2] + [lines[-1], "data: [DONE]"]
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
     return [json.loads(line[6:]) for line in lines[:-1]]
@@ -310,7 +317,8 @@ def test_request_id_header_reaches_the_service(http: httpx.Client, fake: FakeFor
 # ---- errors --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("prompt, status, code", [
-    ("queue-full", 429, "queue_full"), ("draining", 503, "unavailable"), ("bad-arg", 400, None),
+    ("queue-full", 429, "queue_full"), ("too-large", 413, "request_too_large"), ("draining", 503, "unavailable"),
+    ("bad-arg", 400, None),
     ("crash", 500, None), ("too-slow", 504, "deadline_exceeded")])
 @pytest.mark.parametrize("stream", [False, True])
 def test_grpc_status_maps_to_http(http: httpx.Client, fake: FakeForge, prompt: str, status: int,
@@ -372,7 +380,7 @@ def test_malformed_json_and_unknown_route(http: httpx.Client) -> None:
 def test_error_after_the_stream_started_is_an_sse_event(http: httpx.Client, client: openai.OpenAI,
                                                         fake: FakeForge) -> None:
     with http.stream("POST", "/v1/chat/completions", json=chat_body("midstream-fail", stream=True)) as response:
-        events = sse_events(response)
+        events = sse_events(response, failed=True)
     assert events[-1]["error"]["message"] == "internal engine error [error id def456]"
     with pytest.raises(openai.APIError):
         list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "midstream-fail"}],

@@ -68,10 +68,10 @@ class _ConstrainedFake(FakeEngine):
         self.grammar_compiler = GrammarCompiler(None, 256, [0], backend="stub")
         self.cached_at_add: list[bool] = []
 
-    def add_request(self, request_id, prompt_token_ids, params) -> None:
+    def add_request(self, request_id, prompt_token_ids, params, label=None) -> None:
         if params.constraint is not None:
             self.cached_at_add.append(self.grammar_compiler.compile_async(params.constraint).done())
-        super().add_request(request_id, prompt_token_ids, params)
+        super().add_request(request_id, prompt_token_ids, params, label)
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_constraints_are_compiled_before_the_engine_sees_them(stub_backend):
     response, code, details = run(body, fake)
     assert response.choices[0].text == "ab"
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "stub refuses 'bad'" in details
-    assert fake.cached_at_add == [True] and fake.added == [response.request_id]  # the bad one never got there
+    assert fake.cached_at_add == [True] and [fake.labels[i] for i in fake.added] == [response.request_id]  # the bad one never got there
 
 
 def test_a_slow_compile_does_not_hold_up_the_event_loop_or_other_requests(stub_backend):
@@ -105,7 +105,7 @@ def test_a_slow_compile_does_not_hold_up_the_event_loop_or_other_requests(stub_b
         await asyncio.sleep(0.2)
         other = await h.stub.Generate(text_request("xyz", max_tokens=2))  # unconstrained: served meanwhile
         health = await h.stub.Health(pb.HealthRequest())
-        assert not waiting.done() and fake.added == [other.request_id]
+        assert not waiting.done() and [fake.labels[i] for i in fake.added] == [other.request_id]
         stub_backend.gate.set()
         return other, health, await waiting
 
