@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import threading
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -225,7 +226,7 @@ def test_a_replica_restarted_on_the_same_port_is_used_again() -> None:
 def test_admission_sends_the_replica_header_before_any_token_and_counts_in_health() -> None:
     async def main() -> None:
         fake = FakeEngine()
-        fake.gate = __import__("threading").Event()  # steps wait: no token can come out
+        fake.gate = threading.Event()  # steps wait: no token can come out
         service = ForgeService(ServiceConfig(host="127.0.0.1", grpc_port=0), lambda: fake)
         await service.start()
         await service.load()
