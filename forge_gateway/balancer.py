@@ -115,18 +115,21 @@ class Replicas:
     async def admitted(self, calls: Sequence[Any]) -> None:
         """Wait until a replica has admitted each call (its response headers came, or it ended).
 
-        A call waits for a ready replica (waitForReady); once the channel has had none for
-        ready_timeout_s, the calls are cancelled and the answer is 503."""
+        A call waits for a ready replica (waitForReady); once the channel has been failing (no
+        replica ready or reachable) for ready_timeout_s, the calls are cancelled and the answer
+        is 503. While it connects (at start, or after a replica closed an old connection) the
+        call waits; connecting ends in READY or in failing within gRPC's connect timeout."""
         loop = asyncio.get_running_loop()
         for call in calls:
             headers = asyncio.ensure_future(call.initial_metadata())
-            unready_since: float | None = None
+            failing_since: float | None = None
             while not (await asyncio.wait({headers}, timeout=_POLL_S))[0]:
-                if self.channel.get_state() is grpc.ChannelConnectivity.READY:
-                    unready_since = None  # dispatched to a replica (or retrying): its own deadline holds
-                elif unready_since is None:
-                    unready_since = loop.time()
-                elif loop.time() - unready_since >= self.ready_timeout_s:
+                state = self.channel.get_state()
+                if state is grpc.ChannelConnectivity.READY:
+                    failing_since = None  # dispatched to a replica (or retrying): its own deadline holds
+                elif state is grpc.ChannelConnectivity.TRANSIENT_FAILURE and failing_since is None:
+                    failing_since = loop.time()
+                if failing_since is not None and loop.time() - failing_since >= self.ready_timeout_s:
                     headers.cancel()
                     for each in calls:
                         each.cancel()
