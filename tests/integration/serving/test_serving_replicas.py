@@ -127,7 +127,8 @@ def test_concurrent_requests_spread_over_both_replicas(fleet: Fleet) -> None:
 def test_sigterm_drains_a_replica_whose_streams_finish_while_new_work_goes_to_the_other(fleet: Fleet) -> None:
     a, b = fleet.replicas
     with ThreadPoolExecutor(8) as pool:
-        streams = [pool.submit(stream, fleet.url, f"Tell a story {i}.", 48) for i in range(4)]
+        # Long enough that A is still draining after the late requests, so that its counter can be read.
+        streams = [pool.submit(stream, fleet.url, f"Tell a story {i}.", 160) for i in range(4)]
         fleet.gateway.wait_until(lambda: a.health().requests_in_flight >= 1, 60, "a stream on replica A")
         a.proc.send_signal(signal.SIGTERM)
         a.wait_until(lambda: a.health().state == pb.SERVING_STATE_DRAINING, 10, "A draining")
