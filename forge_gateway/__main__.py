@@ -16,6 +16,11 @@ FLAGS = [
     ("--request-timeout-s", "request_timeout_s", float, "gRPC deadline when the client sends none"),
     ("--retry-after-s", "retry_after_s", int, "Retry-After on 429 and 503"),
     ("--ready-timeout-s", "ready_timeout_s", float, "how long a request waits for a ready replica before 503"),
+    ("--grpc-api-key", "grpc_api_key", str, "the service's gRPC API key"),
+    ("--grpc-ca-file", "grpc_ca_file", str, "PEM CA of the service's TLS certificate (dial with TLS)"),
+    ("--grpc-client-cert", "grpc_client_cert", str, "PEM client certificate for mTLS"),
+    ("--grpc-client-key", "grpc_client_key", str, "PEM private key of --grpc-client-cert"),
+    ("--grpc-server-name", "grpc_server_name", str, "name in the service's certificate, if not the target host"),
 ]
 
 # Limits on one request (README "Gateway limits").

@@ -15,11 +15,12 @@ import contextlib
 import ipaddress
 import json
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Sequence
 
 import grpc
 
+from forge_gateway import dial
 from forge_gateway.config import GatewayConfig
 from forge_gateway.errors import GatewayError
 from forge_service.pb import forge_pb2 as pb
@@ -164,9 +165,9 @@ class Replicas:
 @contextlib.asynccontextmanager
 async def open_replicas(config: GatewayConfig) -> AsyncIterator[Replicas]:
     """The work channel (health-checked round_robin) and the probe channel to config.target."""
-    target = channel_target(config.target)
-    work = grpc.aio.insecure_channel(target, options=channel_options(work=True))
-    probe = grpc.aio.insecure_channel(target, options=channel_options(work=False))
+    resolved = replace(config, target=channel_target(config.target))
+    work = dial.open_channel(resolved, channel_options(work=True))  # TLS and the gRPC key as configured
+    probe = dial.open_channel(resolved, channel_options(work=False))
     work.get_state(try_to_connect=True)  # connect and learn the replicas' health before the first request
     try:
         yield Replicas(pb_grpc.ForgeStub(work), pb_grpc.ForgeStub(probe), work, config.ready_timeout_s)

@@ -43,6 +43,14 @@ class GatewayConfig:
 
     # Retry-After (seconds) on 429 and 503 answers.
     retry_after_s: int = 1
+    # How to dial the service: its API key (sent as `authorization: Bearer`), the CA that signed its
+    # TLS certificate (set: TLS), a client certificate and key for mTLS, and the name its certificate
+    # carries when that is not the target's host. The key defaults to api_key, as the service's does.
+    grpc_api_key: str | None = None
+    grpc_ca_file: str | None = None
+    grpc_client_cert: str | None = None
+    grpc_client_key: str | None = None
+    grpc_server_name: str | None = None
     # How long a request waits for a ready replica (none ready: all loading, draining or gone)
     # before the gateway answers 503.
     ready_timeout_s: float = 5.0

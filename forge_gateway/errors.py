@@ -8,6 +8,8 @@ from typing import Any
 import grpc
 from fastapi.responses import JSONResponse
 
+from forge_service.errors import ERROR_KIND_KEY
+
 log = logging.getLogger(__name__)
 
 # gRPC status -> (HTTP status, OpenAI error type, OpenAI error code).
@@ -32,8 +34,6 @@ GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
 _RETRY_STATUSES = (429, 503)
 # RESOURCE_EXHAUSTED is a 429 only when the service marks it as its full queue in this trailing
 # metadata; otherwise it is a size bound (a message over gRPC's limit), which no retry can pass.
-ERROR_KIND_KEY, QUEUE_FULL = "forge-error-kind", "queue_full"
-_TOO_LARGE = (413, "invalid_request_error", "request_too_large")
 
 
 class GatewayError(Exception):
@@ -54,16 +54,15 @@ class GatewayError(Exception):
 
 def from_grpc(error: grpc.aio.AioRpcError) -> GatewayError:
     status, type_, code = GRPC_TO_HTTP.get(error.code(), (500, "server_error", None))
-    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and _error_kind(error) != QUEUE_FULL:
-        status, type_, code = _TOO_LARGE
+    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not _queue_full(error):
+        # gRPC's own RESOURCE_EXHAUSTED (a message over its size limit) cannot succeed on a retry.
+        status, type_, code = 413, "invalid_request_error", "request_too_large"
     return GatewayError(status, error.details() or error.code().name, type_, code=code)
 
 
-def _error_kind(error: grpc.aio.AioRpcError) -> str | None:
-    for key, value in error.trailing_metadata() or ():
-        if key == ERROR_KIND_KEY:
-            return value if isinstance(value, str) else value.decode()
-    return None
+def _queue_full(error: grpc.aio.AioRpcError) -> bool:
+    """The service marks its one retryable RESOURCE_EXHAUSTED, a full queue, in trailing metadata."""
+    return (ERROR_KIND_KEY, "queue_full") in tuple(error.trailing_metadata() or ())
 
 
 def internal_error(error: BaseException) -> GatewayError:

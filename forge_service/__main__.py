@@ -5,7 +5,11 @@ import argparse
 import logging
 import sys
 
-from forge_service.config import EngineConfig, ServiceConfig, engine_config_from_env, from_env
+from forge_service.config import EngineConfig, ServiceConfig, engine_config_from_env, service_config_from_env
+
+def _bool(value: str) -> bool:
+    return value.lower() in ("1", "true", "yes", "on")
+
 
 # (flag, config field, type, help). Unset flags fall back to FORGE_* variables, then defaults.
 ENGINE_FLAGS = [
@@ -17,7 +21,7 @@ ENGINE_FLAGS = [
     ("--block-size", "block_size", int, "tokens per KV-cache block"),
     ("--kv-cache-bytes", "kv_cache_bytes", int, "memory for the KV cache"),
     ("--num-blocks", "num_blocks", int, "number of KV-cache blocks (overrides --kv-cache-bytes)"),
-    ("--enable-prefix-caching", "enable_prefix_caching", lambda v: v.lower() in ("1", "true", "yes", "on"),
+    ("--enable-prefix-caching", "enable_prefix_caching", _bool,
      "share the KV of identical prompt prefixes across requests (true/false; default true)"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget per step"),
     ("--max-num-seqs", "max_num_seqs", int, "most requests running at once"),
@@ -31,6 +35,19 @@ SERVICE_FLAGS = [
     ("--drain-timeout-s", "drain_timeout_s", float, "how long in-flight requests may run after SIGTERM"),
     ("--api-key", "api_key", str, "require `Authorization: Bearer <key>` at the gateway"),
     ("--log-level", "log_level", str, "debug, info, warning or error"),
+    ("--grpc-api-key", "grpc_api_key", str, "require gRPC metadata `authorization: Bearer <key>` (default: --api-key)"),
+    ("--enable-reflection", "enable_reflection", _bool, "serve gRPC reflection even while a key is required"),
+    ("--tls-cert", "tls_cert", str, "PEM certificate chain: serve gRPC over TLS"),
+    ("--tls-key", "tls_key", str, "PEM private key of --tls-cert"),
+    ("--tls-client-ca", "tls_client_ca", str, "PEM CA bundle: require client certificates it signed (mTLS)"),
+    ("--tokenizer-workers", "tokenizer_workers", int, "threads that render chat templates and tokenize"),
+    ("--max-pending-tokenize", "max_pending_tokenize", int,
+     "requests waiting to be tokenized; past it RESOURCE_EXHAUSTED"),
+    ("--max-messages", "max_messages", int, "chat messages per request"),
+    ("--max-message-chars", "max_message_chars", int, "characters per chat message or text prompt"),
+    ("--max-stop-chars", "max_stop_chars", int, "characters per stop string"),
+    ("--max-total-tokens", "max_total_tokens", int, "bound on n x max_tokens"),
+    ("--max-logit-bias", "max_logit_bias", int, "entries in logit_bias"),
 ]
 
 
@@ -44,7 +61,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServiceCo
     """Flags override FORGE_* variables, which override the dataclass defaults."""
     values = vars(args)
     engine = engine_config_from_env(**{dest: values.get(dest) for _, dest, _, _ in ENGINE_FLAGS})
-    service = from_env(ServiceConfig, **{dest: values.get(dest) for _, dest, _, _ in SERVICE_FLAGS})
+    service = service_config_from_env(**{dest: values.get(dest) for _, dest, _, _ in SERVICE_FLAGS})
     return engine, service
 
 

@@ -50,6 +50,22 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """Bounds on one request, checked by the servicer before any work; past one, INVALID_ARGUMENT."""
+
+    # Chat messages in one request.
+    max_messages: int = 1024
+    # Characters in one chat message's content, and in a text prompt.
+    max_message_chars: int = 1 << 20
+    # Characters in one stop string (their number is capped at 16 by SamplingParams).
+    max_stop_chars: int = 512
+    # n x max_tokens when n > 1 (max_tokens unset: what is left of the context after the prompt).
+    max_total_tokens: int = 65536
+    # Entries in logit_bias.
+    max_logit_bias: int = 1024
+
+
+@dataclass(frozen=True)
 class ServiceConfig:
     host: str = "127.0.0.1"
     grpc_port: int = 50051
@@ -58,7 +74,27 @@ class ServiceConfig:
     drain_timeout_s: float = 30.0
     # When set, the gateway requires `Authorization: Bearer <api_key>`.
     api_key: str | None = None
+    # When set, gRPC calls need metadata `authorization: Bearer <grpc_api_key>` (health excepted);
+    # unset, api_key is used. Set it to "" to leave the gRPC port open while the gateway has a key.
+    grpc_api_key: str | None = None
+    # Serve reflection even while a key is required (off then by default).
+    enable_reflection: bool = False
+    # TLS on the gRPC port (PEM files); with tls_client_ca, clients must present a certificate it signed.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    # Threads that render chat templates and tokenize, off the event loop.
+    tokenizer_workers: int = 2
+    # Requests waiting for (or in) those threads; past it RESOURCE_EXHAUSTED (queue_full).
+    max_pending_tokenize: int = 64
+    limits: LimitsConfig = LimitsConfig()
     log_level: str = "info"
+
+    @property
+    def grpc_key(self) -> str | None:
+        """The key gRPC calls must carry, or None when the port is open."""
+        key = self.api_key if self.grpc_api_key is None else self.grpc_api_key
+        return key or None
 
 
 def _coerce(value: str, current: Any, name: str) -> Any:
@@ -90,6 +126,14 @@ def from_env(cls: type, env: Mapping[str, str] | None = None, **overrides: Any):
             values[f.name] = _coerce(env[key], getattr(obj, f.name), f.name)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return replace(obj, **values)
+
+
+def service_config_from_env(env: Mapping[str, str] | None = None, **overrides: Any) -> ServiceConfig:
+    """ServiceConfig from FORGE_* variables; `overrides` are its fields or LimitsConfig's."""
+    limit_names = {f.name for f in fields(LimitsConfig)}
+    limits = from_env(LimitsConfig, env, **{k: v for k, v in overrides.items() if k in limit_names})
+    own = {k: v for k, v in overrides.items() if k not in limit_names}
+    return from_env(ServiceConfig, env, limits=limits, **own)
 
 
 def engine_config_from_env(env: Mapping[str, str] | None = None, **overrides: Any) -> EngineConfig:

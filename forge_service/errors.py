@@ -19,7 +19,12 @@ class ModelNotFound(ForgeError):
 
 
 class QueueFull(ForgeError):
+    """A bounded queue is full: worth retrying later. The only error answered RESOURCE_EXHAUSTED
+    by Forge itself, and marked so (trailing metadata `forge-error-kind: queue_full`) that a client
+    can tell it from gRPC's own RESOURCE_EXHAUSTED for an over-large message."""
+
     code = "RESOURCE_EXHAUSTED"
+    kind = "queue_full"
 
 
 class Unavailable(ForgeError):
@@ -55,6 +60,46 @@ class ModelLoadError(ForgeError):
         super().__init__(f"cannot load {path}: {reason}")
         self.path = path
         self.reason = reason
+
+
+# Trailing-metadata key naming the kind of a typed error (only QueueFull sets one today).
+ERROR_KIND_KEY = "forge-error-kind"
+# Bound on a status message on the wire. gRPC sends it percent-encoded in the grpc-message trailer,
+# and a client refuses trailers over its metadata limit (8 KiB by default) with RESOURCE_EXHAUSTED.
+MAX_DETAILS_WIRE_BYTES = 2000
+EXCERPT_CHARS = 200
+
+
+def excerpt(value: str, limit: int = EXCERPT_CHARS) -> str:
+    """A user-supplied string for an error message: repr'd, cut to `limit` characters."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}… ({len(value)} chars)"
+
+
+def _wire_bytes(char: str) -> int:
+    return 1 if " " <= char <= "~" and char != "%" else 3 * len(char.encode("utf-8"))
+
+
+def bounded_details(message: str, limit: int = MAX_DETAILS_WIRE_BYTES) -> str:
+    """`message` cut so that its percent-encoded form fits in `limit` bytes, saying how long it was."""
+    # Every character costs at least one byte on the wire; a lone surrogate cannot be sent at all.
+    head = message[:limit].encode("utf-8", "replace").decode("utf-8")
+    if len(message) <= limit and sum(map(_wire_bytes, head)) <= limit:
+        return head
+    suffix = f"… (message truncated; {len(message)} chars)"
+    budget, size, at = limit - sum(map(_wire_bytes, suffix)), 0, 0
+    for at, char in enumerate(head):
+        size += _wire_bytes(char)
+        if size > budget:
+            break
+    return head[:at] + suffix
+
+
+def error_metadata(error: BaseException) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata for a typed error: its kind, when it has one."""
+    kind = getattr(error, "kind", None)
+    return ((ERROR_KIND_KEY, kind),) if isinstance(error, ForgeError) and kind else ()
 
 
 def grpc_status(error: BaseException):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import tempfile
 from typing import Iterator
 
 import uvicorn
@@ -33,19 +35,30 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-def gateway_config(service_config: ServiceConfig, grpc_port: int) -> GatewayConfig:
+def gateway_config(service_config: ServiceConfig, grpc_port: int, local_socket: str | None = None) -> GatewayConfig:
     target_host = "127.0.0.1" if service_config.host in ("0.0.0.0", "::", "") else service_config.host
+    target = f"unix:{local_socket}" if local_socket else f"{target_host}:{grpc_port}"
     # FORGE_* variables set the gateway's own options (its limits among them); the service's flags win.
-    return gateway_config_from_env(target=f"{target_host}:{grpc_port}", host=service_config.host,
+    return gateway_config_from_env(target=target, host=service_config.host,
                                    http_port=service_config.http_port, api_key=service_config.api_key,
-                                   log_level=service_config.log_level, ready_timeout_s=_READY_TIMEOUT_S)
+                                   grpc_api_key=service_config.grpc_key, log_level=service_config.log_level,
+                                   ready_timeout_s=_READY_TIMEOUT_S)
 
 
 async def run_all_async(service: ForgeService, service_config: ServiceConfig,
                         stop: asyncio.Event | None = None) -> None:
-    """Start `service` and a gateway in front of it; return after SIGTERM/SIGINT (or `stop`) and a drain."""
-    port = await service.start()
-    config = gateway_config(service_config, port)
+    """Start `service` and a gateway in front of it; return after SIGTERM/SIGINT (or `stop`) and a drain.
+
+    With TLS on the gRPC port the gateway reaches the service over a Unix socket in a private directory."""
+    with contextlib.ExitStack() as stack:
+        local_socket = None
+        if service_config.tls_cert:
+            local_socket = os.path.join(stack.enter_context(tempfile.TemporaryDirectory(prefix="forge-")), "grpc.sock")
+        port = await service.start(local_socket)
+        await _serve_with_gateway(service, gateway_config(service_config, port, local_socket), stop)
+
+
+async def _serve_with_gateway(service: ForgeService, config: GatewayConfig, stop: asyncio.Event | None) -> None:
     http = _Uvicorn(uvicorn.Config(create_app(config), host=config.host, port=config.http_port,
                                    log_level=config.log_level, timeout_graceful_shutdown=_HTTP_GRACE_S))
     gateway = asyncio.create_task(http.serve())

@@ -17,10 +17,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from forge_service import convert
+from forge_service import auth, convert, limits
+from forge_service.admission import TokenizerPool, check_prompt_chars, longest_token_chars
 from forge_service.config import EngineConfig, ServiceConfig
 from forge_service.engine.async_engine import AsyncEngine, SyncEngine
-from forge_service.errors import ForgeError, ModelNotFound, Unavailable, grpc_status
+from forge_service.errors import ForgeError, ModelNotFound, Unavailable, bounded_details, error_metadata, excerpt, \
+    grpc_status
+from forge_service.wire import UndecodableRequestGuard
 from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
 
@@ -59,6 +62,7 @@ class LoadedModel:
     name: str
     max_model_len: int
     created: int
+    longest_token_chars: int | None = None  # for the length check before tokenizing
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ class ForgeServicer(pb_grpc.ForgeServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         async with self._rpc(context) as model:
-            prepared = await _prepare(request, model)
+            prepared = await self._service.prepare(request, model)
             result = convert.GenerateAccumulator(prepared.request_id, model.name, len(prepared.prompt))
             async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
                 async for output in outputs:
@@ -87,7 +91,7 @@ class ForgeServicer(pb_grpc.ForgeServicer):
 
     async def Stream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         async with self._rpc(context) as model:
-            prepared = await _prepare(request, model)
+            prepared = await self._service.prepare(request, model)
             encoder = convert.StreamEncoder(prepared.request_id, len(prepared.prompt))
             async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
                 async for output in outputs:
@@ -119,22 +123,36 @@ class ForgeServicer(pb_grpc.ForgeServicer):
                 await _abort_internal(context, error)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before generation finished")
         except ForgeError as error:
-            await context.abort(grpc_status(error), str(error))
+            await context.abort(grpc_status(error), bounded_details(str(error)), error_metadata(error))
         except grpc.aio.AbortError:
             raise
         except Exception as error:  # a bug: INTERNAL with an id that is also in the log
             await _abort_internal(context, error)
 
 
-async def _prepare(request: pb.GenerateRequest, model: LoadedModel) -> _Prepared:
+async def _prepare(request: pb.GenerateRequest, model: LoadedModel, config: ServiceConfig,
+                   pool: TokenizerPool) -> _Prepared:
     if request.model and request.model != model.name:
-        raise ModelNotFound(f"model {request.model!r} is not served here; this server serves {model.name!r}")
+        raise ModelNotFound(f"model {excerpt(request.model)} is not served here; this server serves {model.name!r}")
+    limits.check_request(request, config.limits)
+    check_prompt_chars(_prompt_chars(request), model.longest_token_chars, model.max_model_len)
     params = convert.sampling_params(request)
     params.validate(model.tokenizer.vocab_size)
-    prompt = convert.prompt_token_ids(request, model.tokenizer, model.max_model_len)
+    prompt = await pool.run(convert.prompt_token_ids, request, model.tokenizer, model.max_model_len)
+    limits.check_total_tokens(params.n, params.max_tokens or model.max_model_len - len(prompt), config.limits)
     model.engine.validate(prompt, params)  # prompt + max_tokens against the context and the KV cache
     await model.engine.compile_constraint(params)  # structured output: compiled before it is queued
     return _Prepared(request.request_id or uuid.uuid4().hex, prompt, params)
+
+
+def _prompt_chars(request: pb.GenerateRequest) -> int:
+    """Characters the prompt has at least: a template may strip a message's surrounding whitespace."""
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        return len(request.text)
+    if kind == "chat":
+        return sum(len(m.content.strip()) for m in request.chat.messages)
+    return 0
 
 
 def _args(prepared: _Prepared) -> tuple[str, list[int], Any, str]:
@@ -175,15 +193,25 @@ class ForgeService:
         self._admitted = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._tokenizers = TokenizerPool(config.tokenizer_workers, config.max_pending_tokenize)
 
-    async def start(self) -> int:
-        """Bind and start serving (health and reflection answer at once); returns the port."""
-        server = grpc.aio.server(options=_SERVER_OPTIONS)
+    async def start(self, local_socket: str | None = None) -> int:
+        """Bind and start serving (health and reflection answer at once); returns the port.
+
+        `local_socket`: also listen, in plaintext, on this Unix socket (`forge serve`'s own gateway
+        uses it when the port has TLS; the API key still applies)."""
+        credentials = auth.server_credentials(self.config)
+        server = grpc.aio.server(options=_SERVER_OPTIONS,
+                                 interceptors=[*auth.interceptors(self.config), UndecodableRequestGuard()])
         pb_grpc.add_ForgeServicer_to_server(ForgeServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, server)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        if auth.reflection_enabled(self.config):
+            names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+            reflection.enable_server_reflection(names, server)
+        address = f"{self.config.host}:{self.config.grpc_port}"
+        self.port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        if local_socket is not None:
+            server.add_insecure_port(f"unix:{local_socket}")
         await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._server = server
@@ -194,10 +222,11 @@ class ForgeService:
         """Build the engine off the event loop, start its thread, and turn readiness on."""
         started = time.monotonic()
         engine = await _in_daemon_thread(self._engine_factory)
+        longest = await _in_daemon_thread(lambda: longest_token_chars(engine.tokenizer))
         async_engine = AsyncEngine(engine, max_waiting=self._max_waiting)
         async_engine.start()
         self.model = LoadedModel(async_engine, engine.tokenizer, engine.model_name, engine.max_model_len,
-                                 int(time.time()))
+                                 int(time.time()), longest)
         if self.phase is Phase.LOADING:
             self.phase = Phase.READY
             await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -217,6 +246,10 @@ class ForgeService:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
+
+    async def prepare(self, request: pb.GenerateRequest, model: LoadedModel) -> _Prepared:
+        """Check, tokenize (in the tokenizer pool) and compile one request for `model`."""
+        return await _prepare(request, model, self.config, self._tokenizers)
 
     @property
     def in_flight(self) -> int:
@@ -246,6 +279,7 @@ class ForgeService:
             await self._server.stop(grace=None)
         if self.model is not None:
             await self.model.engine.shutdown()
+        self._tokenizers.shutdown()
 
     def health_response(self) -> pb.HealthResponse:
         response = pb.HealthResponse(state=self.phase.value, ready=self.phase is Phase.READY,

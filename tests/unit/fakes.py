@@ -75,6 +75,9 @@ class FakeTokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self.decode([token_id])
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id])
+
 
 @dataclass
 class _Seq:

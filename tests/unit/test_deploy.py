@@ -133,8 +133,7 @@ def test_probes_and_scrapes_name_the_real_service_routes_and_ports() -> None:
 
 # Variables set on the service or gateway that another in-flight change adds to the configuration.
 # Once merged, nothing here may be missing.
-PENDING = {"FORGE_METRICS_PORT": "service --metrics-port (observability)",
-           "FORGE_GRPC_API_KEY": "gRPC API key (service edge)"}
+PENDING = {"FORGE_METRICS_PORT": "service --metrics-port (observability)"}
 
 
 def _env_names(text: str) -> set[str]:
