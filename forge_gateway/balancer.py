@@ -163,10 +163,11 @@ class Replicas:
 
 
 @contextlib.asynccontextmanager
-async def open_replicas(config: GatewayConfig) -> AsyncIterator[Replicas]:
-    """The work channel (health-checked round_robin) and the probe channel to config.target."""
+async def open_replicas(config: GatewayConfig, interceptors: Sequence[Any] = ()) -> AsyncIterator[Replicas]:
+    """The work channel (health-checked round_robin, its calls through `interceptors`) and the
+    probe channel to config.target."""
     resolved = replace(config, target=channel_target(config.target))
-    work = dial.open_channel(resolved, channel_options(work=True))  # TLS and the gRPC key as configured
+    work = dial.open_channel(resolved, channel_options(work=True), interceptors)  # TLS and the gRPC key too
     probe = dial.open_channel(resolved, channel_options(work=False))
     work.get_state(try_to_connect=True)  # connect and learn the replicas' health before the first request
     try:

@@ -47,10 +47,12 @@ def channel_credentials(config: GatewayConfig) -> grpc.ChannelCredentials | None
         certificate_chain=_read(config.grpc_client_cert) if config.grpc_client_cert else None)
 
 
-def open_channel(config: GatewayConfig, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-    """A channel to config.target as the configuration says (TLS, client certificate, API key)."""
+def open_channel(config: GatewayConfig, options: Sequence[tuple[str, Any]] = (),
+                 interceptors: Sequence[Any] = ()) -> grpc.aio.Channel:
+    """A channel to config.target as the configuration says (TLS, client certificate, API key);
+    `interceptors` run on every call before the key is added."""
     key = config.api_key if config.grpc_api_key is None else config.grpc_api_key  # as the service defaults
-    interceptors: list[Any] | None = [_UnaryKey(key), _StreamKey(key)] if key else None
+    interceptors = [*interceptors, *([_UnaryKey(key), _StreamKey(key)] if key else [])] or None
     options = list(options)
     if config.grpc_server_name:
         options.append(("grpc.ssl_target_name_override", config.grpc_server_name))

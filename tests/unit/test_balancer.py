@@ -258,3 +258,30 @@ def test_probes_need_no_api_key() -> None:
                 return live, ready, (await c.get("/v1/models")).status_code
 
     assert asyncio.run(main()) == (200, 503, 401)  # alive; not ready (no replica); the API still needs the key
+
+
+def test_calls_on_the_work_channel_pass_the_given_interceptors() -> None:
+    class Count(grpc.aio.UnaryUnaryClientInterceptor):
+        def __init__(self) -> None:
+            self.methods: list[str] = []
+
+        async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+            method = details.method
+            self.methods.append(method.decode() if isinstance(method, bytes) else method)
+            return await continuation(details, request)
+
+    async def main() -> list[str]:
+        service = ForgeService(ServiceConfig(host="127.0.0.1", grpc_port=0), lambda: FakeEngine())
+        await service.start()
+        await service.load()
+        count = Count()
+        try:
+            config = GatewayConfig(target=f"127.0.0.1:{service.port},127.0.0.1:{service.port}")
+            async with balancer.open_replicas(config, [count]) as replicas:
+                await replicas.work.Health(pb.HealthRequest(), timeout=5)
+                await replicas.probe.Health(pb.HealthRequest(), timeout=5)
+        finally:
+            await service.stop()
+        return count.methods
+
+    assert asyncio.run(main()) == ["/forge.v1.Forge/Health"]  # the work channel's call only
