@@ -6,13 +6,15 @@ import json
 import math
 from typing import Any
 
+from forge_gateway import tools
 from forge_gateway.errors import GatewayError
 from forge_gateway.models import ChatCompletionRequest, CompletionRequest, _Common
 from forge_service.pb import forge_pb2 as pb
 
 # Every finish reason a client may see, as OpenAI spells it. Any other (the server aborted the
 # completion, or sent none) is a server-side failure: a 5xx, or an `error` event mid-stream.
-FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                  pb.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 # OpenAI's "developer" role is its newer name for "system"; chat templates know "system".
 _ROLES = {"developer": "system"}
 
@@ -46,7 +48,7 @@ def constraint(req: _Common) -> dict[str, Any]:
     if fmt is not None and fmt.type == "json_object":
         return {"json_object": True}
     if fmt is not None and fmt.type == "json_schema":
-        return {"json_schema": json.dumps(fmt.json_schema.schema_)}
+        return {"json_schema": json.dumps(fmt.json_schema.schema_), "json_schema_strict": bool(fmt.json_schema.strict)}
     if req.guided_json is not None:
         schema = req.guided_json
         return {"json_schema": schema if isinstance(schema, str) else json.dumps(schema)}
@@ -60,12 +62,13 @@ def constraint(req: _Common) -> dict[str, Any]:
 
 
 def chat_request(req: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
-    messages = [pb.ChatMessage(role=_ROLES.get(m.role, m.role), content=m.text(), name=m.name or "")
-                for m in req.messages]
+    messages = [pb.ChatMessage(role=_ROLES.get(m.role, m.role), content=m.text(), name=m.name or "",
+                               **tools.message_fields(m.tool_calls, m.tool_call_id)) for m in req.messages]
     return pb.GenerateRequest(
         model=req.model, request_id=request_id, chat=pb.ChatInput(messages=messages), n=req.n,
         sampling=_sampling(req), stopping=_stopping(req, req.output_limit),
-        logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, **constraint(req))
+        logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, **constraint(req),
+        **tools.request_fields(req.tools, req.tool_choice, req.parallel_tool_calls))
 
 
 def completion_requests(req: CompletionRequest, request_id: str) -> list[pb.GenerateRequest]:
@@ -143,7 +146,7 @@ def chat_completion(resp: pb.GenerateResponse, response_id: str, created: int, m
                     want_logprobs: bool) -> dict[str, Any]:
     choices = [{
         "index": c.index,
-        "message": {"role": "assistant", "content": c.text, "refusal": None},
+        "message": _message(c),
         "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
         "finish_reason": finish_reason(c),
         "stop_reason": _stop_reason(c),
@@ -151,6 +154,13 @@ def chat_completion(resp: pb.GenerateResponse, response_id: str, created: int, m
     return {"id": response_id, "object": "chat.completion", "created": created, "model": resp.model or model,
             "choices": choices, "system_fingerprint": None,
             "usage": usage(resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.cached_tokens)}
+
+
+def _message(choice: pb.Choice) -> dict[str, Any]:
+    if not choice.tool_calls:
+        return {"role": "assistant", "content": choice.text, "refusal": None}
+    return {"role": "assistant", "content": choice.text or None, "refusal": None,
+            "tool_calls": tools.message_tool_calls(choice.tool_calls)}
 
 
 def text_completion(resps: list[pb.GenerateResponse], response_id: str, created: int, model: str,
@@ -223,9 +233,12 @@ class ChatStream(_Stream):
                              "finish_reason": None}]) for i in range(self.n)]
 
     def _delta(self, index: int, chunk: pb.StreamChunk) -> dict[str, Any] | None:
-        if not chunk.text and not (self.want_logprobs and chunk.logprobs):
-            return None  # tokens held back (a possible stop string): nothing to show yet
-        return {"index": index, "delta": {"content": chunk.text},
+        if not chunk.text and not chunk.tool_calls and not (self.want_logprobs and chunk.logprobs):
+            return None  # tokens held back (a possible stop string, tool-call markup): nothing to show yet
+        delta: dict[str, Any] = {"content": chunk.text} if chunk.text or not chunk.tool_calls else {}
+        if chunk.tool_calls:
+            delta["tool_calls"] = tools.delta_tool_calls(chunk.tool_calls)
+        return {"index": index, "delta": delta,
                 "logprobs": chat_logprobs(chunk.logprobs) if self.want_logprobs else None, "finish_reason": None}
 
     def _final(self, index: int, final: pb.StreamFinal) -> dict[str, Any]:

@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from forge_gateway.tools import MessageToolCall, ToolChoice, ToolDef
+
 _INT32 = 2**31 - 1
 # Strict: a value of the wrong JSON type is a 400, never coerced ("3" is not an integer).
 # Unknown fields are kept (not dropped) so that limits.check_request can bound their size.
@@ -32,6 +34,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -46,7 +50,8 @@ class StreamOptions(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
-    """response_format.json_schema. `strict` is accepted and always in effect: the schema is enforced."""
+    """response_format.json_schema. The schema is always enforced; `strict: true` also closes its
+    objects (no properties beyond the declared ones unless additionalProperties says so)."""
 
     model_config = ConfigDict(**_CONFIG, populate_by_name=True)
 
@@ -142,13 +147,12 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1, le=_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=_INT32)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools are not supported")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self

@@ -9,11 +9,16 @@ from forge_service.engine.request import SamplingParams
 from forge_service.errors import InvalidArgument
 from forge_service.pb import forge_pb2 as pb
 from forge_service.structured.constraint import Constraint
+from forge_service.structured.schema import close_objects
+from forge_service.tools.output import OutputProcessor
+from forge_service.tools.prompt import template_inputs
+from forge_service.tools.setup import ToolSetup, tool_setup
 
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
 }
 
 
@@ -22,7 +27,20 @@ def _f32(value: float) -> float:
     return float(f"{value:.7g}")
 
 
-def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
+def tools(request: pb.GenerateRequest, tokenizer: Any) -> ToolSetup | None:
+    """The request's checked tools (None without any), in the tool-call format of the model's template."""
+    return tool_setup(request, getattr(tokenizer, "chat_template", None))
+
+
+def output_processor(request: pb.GenerateRequest, request_id: str, setup: ToolSetup | None) -> OutputProcessor:
+    """Tool-call parsing and the after-the-fact schema check for one request's outputs."""
+    schema = None
+    if request.WhichOneof("constraint") == "json_schema":
+        schema = _json_schema(request)
+    return OutputProcessor(request_id, setup, schema)
+
+
+def sampling_params(request: pb.GenerateRequest, setup: ToolSetup | None = None) -> SamplingParams:
     """The request's SamplingParams, with the proto's documented defaults for unset fields."""
     s, t = request.sampling, request.stopping
     if request.top_logprobs and not request.logprobs:
@@ -45,7 +63,7 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
         logprobs=request.top_logprobs if request.logprobs else None,
         include_stop_str_in_output=t.include_stop_str_in_output,
         skip_special_tokens=t.skip_special_tokens if t.HasField("skip_special_tokens") else True,
-        constraint=constraint(request),
+        constraint=setup.constraint() if setup is not None and setup.calls_allowed else constraint(request),
     )
 
 
@@ -56,10 +74,24 @@ def constraint(request: pb.GenerateRequest) -> Constraint | None:
         return None
     if kind == "choice":
         return Constraint("choice", json.dumps(list(request.choice.choices)))
+    if kind == "json_schema" and request.json_schema_strict:
+        schema = _json_schema(request)
+        return Constraint(kind, json.dumps(close_objects(schema)) if schema is not None else request.json_schema)
     return Constraint(kind, "" if kind == "json_object" else getattr(request, kind))
 
 
-def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Any, max_model_len: int) -> list[int]:
+def _json_schema(request: pb.GenerateRequest) -> Any | None:
+    """The json_schema constraint parsed (strict closing applied); None when it is not JSON (the
+    compiler reports that)."""
+    try:
+        schema = json.loads(request.json_schema)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    return close_objects(schema) if request.json_schema_strict else schema
+
+
+def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Any, max_model_len: int,
+                     setup: ToolSetup | None = None) -> list[int]:
     """Tokenize the request's input (rendering chat messages with the model's template)."""
     kind = request.WhichOneof("input")
     if kind == "text":
@@ -67,7 +99,8 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Any, max_model_len:
     elif kind == "chat":
         if not request.chat.messages:
             raise InvalidArgument("chat.messages is empty")
-        ids = list(tokenizer.encode_chat([_message(m) for m in request.chat.messages], add_generation_prompt=True))
+        messages, variables = template_inputs(request.chat.messages, setup, getattr(tokenizer, "chat_template", None))
+        ids = list(tokenizer.encode_chat(messages, add_generation_prompt=True, **variables))
     elif kind == "token_ids":
         ids = list(request.token_ids.ids)
         bad = next((i for i in ids if i >= tokenizer.vocab_size), None)
@@ -82,13 +115,6 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Any, max_model_len:
             f"the prompt has {len(ids)} tokens, but the model's context length is {max_model_len} and at least "
             f"one token must be generated: shorten the prompt by {len(ids) - max_model_len + 1} tokens")
     return ids
-
-
-def _message(message: pb.ChatMessage) -> dict[str, str]:
-    out = {"role": message.role, "content": message.content}
-    if message.name:
-        out["name"] = message.name
-    return out
 
 
 def _token_logprob(entry: Any) -> pb.TokenLogprob:
@@ -110,33 +136,52 @@ def _matched_stop(message: Any, stop_reason: int | str | None) -> None:
         message.stop_token_id = stop_reason
 
 
+def _tool_call(call: Any) -> pb.ToolCall:
+    return pb.ToolCall(id=call.id, name=call.name, arguments=call.arguments)
+
+
+def _tool_call_delta(delta: Any) -> pb.ToolCallDelta:
+    return pb.ToolCallDelta(index=delta.index, id=delta.id, name=delta.name, arguments=delta.arguments)
+
+
 class StreamEncoder:
     """Turns one request's delta RequestOutputs into StreamResponse messages."""
 
-    def __init__(self, request_id: str, num_prompt_tokens: int) -> None:
+    def __init__(self, request_id: str, num_prompt_tokens: int, processor: OutputProcessor | None = None) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.completion_tokens: dict[int, int] = {}
+        self.processor = processor or OutputProcessor(request_id, None)
 
     def messages(self, output: Any) -> list[pb.StreamResponse]:
         messages = []
         for completion in output.outputs:
             count = self.completion_tokens.get(completion.index, 0) + len(completion.token_ids)
             self.completion_tokens[completion.index] = count
-            if completion.text or completion.token_ids:
-                chunk = pb.StreamChunk(index=completion.index, text=completion.text, token_ids=completion.token_ids,
-                                       logprobs=position_logprobs(completion.logprobs))
-                messages.append(pb.StreamResponse(request_id=self.request_id, chunk=chunk))
+            piece = self.processor.feed(completion.index, completion.text)
+            if piece.text or completion.token_ids or piece.tool_calls:
+                messages.append(self._chunk(completion.index, piece, completion.token_ids,
+                                            position_logprobs(completion.logprobs)))
             if completion.finish_reason is not None:
-                final = self._final(output, completion, count)
+                last, calls, reason = self.processor.finish(completion.index, completion.finish_reason)
+                if last.text or last.tool_calls:
+                    messages.append(self._chunk(completion.index, last, [], []))
+                final = self._final(output, completion, count, reason, calls)
                 messages.append(pb.StreamResponse(request_id=self.request_id, final=final))
         return messages
 
-    def _final(self, output: Any, completion: Any, count: int) -> pb.StreamFinal:
+    def _chunk(self, index: int, piece: Any, token_ids: list[int], logprobs: list[pb.PositionLogprobs]
+               ) -> pb.StreamResponse:
+        chunk = pb.StreamChunk(index=index, text=piece.text, token_ids=token_ids, logprobs=logprobs,
+                               tool_calls=[_tool_call_delta(d) for d in piece.tool_calls])
+        return pb.StreamResponse(request_id=self.request_id, chunk=chunk)
+
+    def _final(self, output: Any, completion: Any, count: int, reason: str | None, calls: list[Any]
+               ) -> pb.StreamFinal:
         usage = pb.Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=count,
                          cached_tokens=output.num_cached_tokens)
-        final = pb.StreamFinal(index=completion.index, finish_reason=FINISH_REASONS.get(completion.finish_reason, 0),
-                               usage=usage)
+        final = pb.StreamFinal(index=completion.index, finish_reason=FINISH_REASONS.get(reason or "", 0),
+                               usage=usage, tool_calls=[_tool_call(c) for c in calls])
         _matched_stop(final, completion.stop_reason)
         return final
 
@@ -148,34 +193,41 @@ class _Choice:
     logprobs: list[pb.PositionLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    tool_calls: list[Any] = field(default_factory=list)
 
 
 class GenerateAccumulator:
     """Collects one request's delta RequestOutputs into a GenerateResponse."""
 
-    def __init__(self, request_id: str, model: str, num_prompt_tokens: int) -> None:
+    def __init__(self, request_id: str, model: str, num_prompt_tokens: int,
+                 processor: OutputProcessor | None = None) -> None:
         self.request_id = request_id
         self.model = model
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.choices: dict[int, _Choice] = {}
+        self.processor = processor or OutputProcessor(request_id, None)
 
     def add(self, output: Any) -> None:
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         for completion in output.outputs:
             choice = self.choices.setdefault(completion.index, _Choice())
-            choice.text.append(completion.text)
+            choice.text.append(self.processor.feed(completion.index, completion.text).text)
             choice.token_ids.extend(completion.token_ids)
             choice.logprobs.extend(position_logprobs(completion.logprobs))
             if completion.finish_reason is not None:
-                choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
+                last, calls, reason = self.processor.finish(completion.index, completion.finish_reason)
+                choice.text.append(last.text)
+                choice.tool_calls = calls
+                choice.finish_reason, choice.stop_reason = reason, completion.stop_reason
 
     def response(self) -> pb.GenerateResponse:
         choices = []
         for index in sorted(self.choices):
             c = self.choices[index]
             choice = pb.Choice(index=index, text="".join(c.text), token_ids=c.token_ids, logprobs=c.logprobs,
-                               finish_reason=FINISH_REASONS.get(c.finish_reason or "", 0))
+                               finish_reason=FINISH_REASONS.get(c.finish_reason or "", 0),
+                               tool_calls=[_tool_call(t) for t in c.tool_calls])
             _matched_stop(choice, c.stop_reason)
             choices.append(choice)
         usage = pb.Usage(prompt_tokens=self.num_prompt_tokens, cached_tokens=self.num_cached_tokens,

@@ -70,6 +70,7 @@ class _Prepared:
     request_id: str  # the client's id (or a made-up one): echoed, logged, never an engine key
     prompt: list[int]
     params: Any
+    output: convert.OutputProcessor  # tool-call parsing, the after-the-fact schema check
     # The engine's key: fresh per request, so a client's id can never reach another's request.
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -83,7 +84,7 @@ class ForgeServicer(pb_grpc.ForgeServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         async with self._rpc(context) as model:
             prepared = await self._service.prepare(request, model)
-            result = convert.GenerateAccumulator(prepared.request_id, model.name, len(prepared.prompt))
+            result = convert.GenerateAccumulator(prepared.request_id, model.name, len(prepared.prompt), prepared.output)
             async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
                 async for output in outputs:
                     result.add(output)
@@ -92,7 +93,7 @@ class ForgeServicer(pb_grpc.ForgeServicer):
     async def Stream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         async with self._rpc(context) as model:
             prepared = await self._service.prepare(request, model)
-            encoder = convert.StreamEncoder(prepared.request_id, len(prepared.prompt))
+            encoder = convert.StreamEncoder(prepared.request_id, len(prepared.prompt), prepared.output)
             async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
                 async for output in outputs:
                     for message in encoder.messages(output):
@@ -136,13 +137,15 @@ async def _prepare(request: pb.GenerateRequest, model: LoadedModel, config: Serv
         raise ModelNotFound(f"model {excerpt(request.model)} is not served here; this server serves {model.name!r}")
     limits.check_request(request, config.limits)
     check_prompt_chars(_prompt_chars(request), model.longest_token_chars, model.max_model_len)
-    params = convert.sampling_params(request)
+    tools = convert.tools(request, model.tokenizer)
+    params = convert.sampling_params(request, tools)
     params.validate(model.tokenizer.vocab_size)
-    prompt = await pool.run(convert.prompt_token_ids, request, model.tokenizer, model.max_model_len)
+    prompt = await pool.run(convert.prompt_token_ids, request, model.tokenizer, model.max_model_len, tools)
     limits.check_total_tokens(params.n, params.max_tokens or model.max_model_len - len(prompt), config.limits)
     model.engine.validate(prompt, params)  # prompt + max_tokens against the context and the KV cache
     await model.engine.compile_constraint(params)  # structured output: compiled before it is queued
-    return _Prepared(request.request_id or uuid.uuid4().hex, prompt, params)
+    request_id = request.request_id or uuid.uuid4().hex
+    return _Prepared(request_id, prompt, params, convert.output_processor(request, request_id, tools))
 
 
 def _prompt_chars(request: pb.GenerateRequest) -> int:

@@ -8,12 +8,21 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ToolChoiceMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_CHOICE_MODE_UNSPECIFIED: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_NONE: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_AUTO: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_REQUIRED: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_FUNCTION: _ClassVar[ToolChoiceMode]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
 
 class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -21,17 +30,23 @@ class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SERVING_STATE_LOADING: _ClassVar[ServingState]
     SERVING_STATE_READY: _ClassVar[ServingState]
     SERVING_STATE_DRAINING: _ClassVar[ServingState]
+TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoiceMode
+TOOL_CHOICE_MODE_NONE: ToolChoiceMode
+TOOL_CHOICE_MODE_AUTO: ToolChoiceMode
+TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode
+TOOL_CHOICE_MODE_FUNCTION: ToolChoiceMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+FINISH_REASON_TOOL_CALLS: FinishReason
 SERVING_STATE_UNSPECIFIED: ServingState
 SERVING_STATE_LOADING: ServingState
 SERVING_STATE_READY: ServingState
 SERVING_STATE_DRAINING: ServingState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "request_id", "text", "chat", "token_ids", "sampling", "stopping", "n", "logprobs", "top_logprobs", "json_schema", "json_object", "regex", "choice", "grammar")
+    __slots__ = ("model", "request_id", "text", "chat", "token_ids", "sampling", "stopping", "n", "logprobs", "top_logprobs", "json_schema", "json_object", "regex", "choice", "grammar", "tools", "tool_choice", "parallel_tool_calls", "json_schema_strict")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +62,10 @@ class GenerateRequest(_message.Message):
     REGEX_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_STRICT_FIELD_NUMBER: _ClassVar[int]
     model: str
     request_id: str
     text: str
@@ -62,7 +81,53 @@ class GenerateRequest(_message.Message):
     regex: str
     choice: ChoiceList
     grammar: str
-    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: ToolChoice
+    parallel_tool_calls: bool
+    json_schema_strict: bool
+    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., json_schema_strict: _Optional[bool] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters", "strict")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters: str
+    strict: bool
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
+
+class ToolChoice(_message.Message):
+    __slots__ = ("mode", "function_name")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_NAME_FIELD_NUMBER: _ClassVar[int]
+    mode: ToolChoiceMode
+    function_name: str
+    def __init__(self, mode: _Optional[_Union[ToolChoiceMode, str]] = ..., function_name: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class ToolCallDelta(_message.Message):
+    __slots__ = ("index", "id", "name", "arguments")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class ChoiceList(_message.Message):
     __slots__ = ("choices",)
@@ -77,14 +142,18 @@ class ChatInput(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "name")
+    __slots__ = ("role", "content", "name", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     name: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -170,7 +239,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Choice(_message.Message):
-    __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_string", "stop_token_id")
+    __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_string", "stop_token_id", "tool_calls")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +247,7 @@ class Choice(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     index: int
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -185,7 +255,8 @@ class Choice(_message.Message):
     finish_reason: FinishReason
     stop_string: str
     stop_token_id: int
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "model", "choices", "usage")
@@ -210,30 +281,34 @@ class StreamResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[StreamChunk, _Mapping]] = ..., final: _Optional[_Union[StreamFinal, _Mapping]] = ...) -> None: ...
 
 class StreamChunk(_message.Message):
-    __slots__ = ("index", "text", "token_ids", "logprobs")
+    __slots__ = ("index", "text", "token_ids", "logprobs", "tool_calls")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     index: int
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ...) -> None: ...
 
 class StreamFinal(_message.Message):
-    __slots__ = ("index", "finish_reason", "stop_string", "stop_token_id", "usage")
+    __slots__ = ("index", "finish_reason", "stop_string", "stop_token_id", "usage", "tool_calls")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     index: int
     finish_reason: FinishReason
     stop_string: str
     stop_token_id: int
     usage: Usage
-    def __init__(self, index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

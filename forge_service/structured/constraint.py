@@ -12,6 +12,7 @@ KINDS: dict[str, str] = {
     "regex": "a regular expression (Rust `regex` syntax) the whole output must match",
     "choice": "a JSON list of strings; the output is exactly one of them",
     "grammar": "a context-free grammar: GBNF (llama.cpp EBNF, `root ::= ...`) or Lark (`start: ...`)",
+    "tool_calls": "a forge_service.tools.grammar.ToolGrammarSpec as JSON: tool calls in the model's format",
 }
 
 

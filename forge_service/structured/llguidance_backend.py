@@ -1,14 +1,18 @@
 """The llguidance backend (measured and chosen in bench/structured_backends.md).
 
-llguidance refuses JSON Schema keywords it does not implement instead of dropping them
-(`lenient` is pinned off), so an unsupported schema becomes INVALID_ARGUMENT, never a
-silently looser grammar. A compiled grammar keeps a primed template matcher; sequences get a
-deep copy of it (~10 us) rather than re-parsing the grammar (~1 ms).
+JSON Schemas: a schema that is not valid JSON Schema, or that nothing can match, is
+INVALID_ARGUMENT. A valid schema is compiled exactly when llguidance can; otherwise it is
+approximated (structured/schema.py `relax`, then llguidance's `lenient` and `coerce_one_of`:
+`oneOf` as `anyOf`, unimplemented keywords and unknown formats ignored), the approximations
+are logged, and the servicer validates the output against the full schema afterwards.
+A compiled grammar keeps a primed template matcher; sequences get a deep copy of it (~10 us)
+rather than re-parsing the grammar (~1 ms).
 """
 from __future__ import annotations
 
 import json
-from typing import Callable, Sequence
+import logging
+from typing import Any, Callable, Sequence
 
 import llguidance
 import torch
@@ -16,12 +20,17 @@ from tokenizers import Tokenizer
 
 from forge_service.errors import InvalidArgument
 from forge_service.structured.constraint import Constraint
+from forge_service.structured.schema import check_schema, relax
+from forge_service.tools.grammar import ToolGrammarSpec, lark_grammar
+
+log = logging.getLogger(__name__)
 
 # Single-line JSON with json.dumps' separators and no free whitespace: small models given
 # free whitespace can loop on newlines. These are `overrides`, so a schema's own "x-guidance"
 # options cannot loosen the grammar (lenient: drop unknown keywords; coerce_one_of: oneOf as anyOf).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
                 "lenient": False, "coerce_one_of": False}
+LENIENT_OPTIONS = {**JSON_OPTIONS, "lenient": True, "coerce_one_of": True}
 MASK_THREADS = 2  # LLExecutor threads for batched mask fills
 
 
@@ -30,11 +39,38 @@ def _json_schema(spec: str) -> str:
         schema = json.loads(spec)
     except (json.JSONDecodeError, RecursionError) as e:
         raise InvalidArgument(f"json_schema is not valid JSON: {e}") from e
-    if schema is True:
+    return llguidance.LLMatcher.grammar_from_json_schema(prepare_schema(schema, "json_schema")[0])
+
+
+def prepare_schema(schema: Any, what: str) -> tuple[dict[str, Any], list[str]]:
+    """The schema llguidance compiles, with Forge's JSON options set in it (overriding any of the
+    schema's own "x-guidance"): exact when llguidance can, else approximated (and logged); the
+    second item lists the approximations, empty when exact."""
+    check_schema(schema)
+    if isinstance(schema, bool):
+        if not schema:
+            raise InvalidArgument(f"{what}: the schema `false` matches nothing")
         schema = {}  # the boolean schema `true` admits every JSON value
-    if not isinstance(schema, dict):
-        raise InvalidArgument("json_schema must be a JSON object (or true)")
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+    exact = {**schema, "x-guidance": JSON_OPTIONS}
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        llguidance.LLMatcher.grammar_from_json_schema(exact))
+    if not failed:
+        return exact, []
+    relaxed, notes = relax(schema)
+    approximate = {**relaxed, "x-guidance": LENIENT_OPTIONS}
+    failed, warnings = llguidance.LLMatcher.validate_grammar_with_warnings(
+        llguidance.LLMatcher.grammar_from_json_schema(approximate))
+    if failed:
+        raise InvalidArgument(f"{what}: unsupported or unsatisfiable JSON Schema: {'; '.join(warnings or messages)}")
+    notes += warnings
+    log.info("%s approximated for the grammar (the output is validated afterwards): %s", what, "; ".join(notes))
+    return approximate, notes
+
+
+def _tool_calls(spec: str) -> str:
+    grammar = lark_grammar(ToolGrammarSpec.from_json(spec),
+                           lambda schema: json.dumps(prepare_schema(schema, "tool parameters")[0]))
+    return llguidance.LLMatcher.grammar_from_lark(grammar)
 
 
 def _json_object(spec: str) -> str:
@@ -62,6 +98,7 @@ def _cfg(spec: str) -> str:
 # kind -> llguidance grammar text. ValueError from llguidance carries its reason.
 GRAMMAR_BUILDERS: dict[str, Callable[[str], str]] = {
     "json_schema": _json_schema, "json_object": _json_object, "choice": _choice, "regex": _regex, "grammar": _cfg,
+    "tool_calls": _tool_calls,
 }
 
 

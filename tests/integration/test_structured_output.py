@@ -27,8 +27,9 @@ from tests.integration.structured_schemas import SCHEMAS
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MAX_TOKENS = 128
-# llguidance 1.9.1 refuses these keywords by name rather than ignore them (bench/structured_backends.md).
-UNSUPPORTED = {"property_names", "dependent_required", "unique_items", "contains", "if_then_else", "not_keyword"}
+# llguidance 1.9.1 cannot enforce these keywords; the grammar approximates them (ignores them) and
+# the output is validated afterwards, so it may not validate.
+APPROXIMATED = {"property_names", "dependent_required", "unique_items", "contains", "if_then_else", "not_keyword"}
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +77,14 @@ def grpc_json_schema(server: ForgeProcess, name: str, schema: dict[str, Any]) ->
 
 
 def check_json(name: str, text: str, finish_reason: str, num_tokens: int) -> bool:
-    """True when it stopped (and then it must validate); a cut-off output must say `length`."""
+    """True when it stopped (and then it must validate, unless approximated); a cut-off output
+    must say `length`."""
     if finish_reason == "length":
         assert num_tokens == MAX_TOKENS, name
         return False
     assert finish_reason == "stop", (name, finish_reason)
-    jsonschema.validate(json.loads(text), dict(SCHEMAS)[name])
+    if name not in APPROXIMATED:
+        jsonschema.validate(json.loads(text), dict(SCHEMAS)[name])
     return True
 
 
@@ -94,21 +97,15 @@ def test_schema_corpus_through_the_gateway_and_grpc(server: ForgeProcess, client
     stopped = {"gateway": 0, "grpc": 0}
     for name, _ in SCHEMAS:
         answer = gateway[name]
-        try:
-            response = by_grpc[name].result()
-        except grpc.RpcError as error:
-            assert name in UNSUPPORTED and error.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, error)
-            assert "Unimplemented keys" in error.details()
-            assert isinstance(answer, openai.BadRequestError) and "Unimplemented keys" in answer.message, name
-            continue
-        assert name not in UNSUPPORTED, name
+        response = by_grpc[name].result()  # no valid schema is refused
         [choice] = answer.choices
         stopped["gateway"] += check_json(name, choice.message.content, choice.finish_reason,
                                          answer.usage.completion_tokens)
         [c] = response.choices
         reason = pb.FinishReason.Name(c.finish_reason).removeprefix("FINISH_REASON_").lower()
         stopped["grpc"] += check_json(name, c.text, reason, len(c.token_ids))
-    # 36 of 45 complete documents at 128 tokens, each door; the rest run on in long arrays or digits.
+    # 36 of 45 complete documents at 128 tokens, each door, before the approximated six were accepted;
+    # the rest run on in long arrays or digits.
     assert stopped["gateway"] >= 30 and stopped["grpc"] >= 30, stopped
 
 
@@ -162,8 +159,8 @@ def test_regex_choice_and_grammar(server: ForgeProcess, client: openai.OpenAI, m
     ({"extra_body": {"guided_json": "{not json"}}, "not valid JSON"),
     ({"extra_body": {"guided_regex": "(a"}}, "unclosed group"),
     ({"response_format": {"type": "json_schema",
-                          "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
-     "uniqueItems"),
+                          "json_schema": {"name": "x", "schema": {"type": "string", "minLength": 3, "maxLength": 1}}}},
+     "Unsatisfiable"),
 ])
 def test_bad_constraints_are_400_with_the_reason(client: openai.OpenAI, model: str, fields, words) -> None:
     with pytest.raises(openai.BadRequestError) as error:

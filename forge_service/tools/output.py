@@ -1,0 +1,99 @@
+"""What the servicer does to generated text before it leaves: tool-call parsing and the
+after-the-fact schema check.
+
+One OutputProcessor per request, fed each completion's text deltas in order, for Stream and
+Generate alike. With tools it splits text into content and calls (parser.py); at the end of a
+completion it validates every call's arguments against its tool's full schema, and a json_schema
+output against its schema, logging violations (the grammar may have approximated the schema;
+see structured/schema.py). It never fails a request after the fact.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import string
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from forge_service.structured.schema import OutputValidator
+from forge_service.tools.parser import ParsedCall, ToolCallDelta, ToolCallParser
+from forge_service.tools.setup import ToolSetup
+
+log = logging.getLogger(__name__)
+_ID_CHARS = string.ascii_letters + string.digits
+
+# Called with (what, valid) for each checked output: ("tool_call" | "json_schema", bool).
+ValidationHook = Callable[[str, bool], None]
+
+
+def new_call_id() -> str:
+    return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(24))
+
+
+@dataclass
+class Piece:
+    """What one text delta of one completion becomes."""
+
+    text: str
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, request_id: str, tools: ToolSetup | None, json_schema: Any | None = None,
+                 on_validated: ValidationHook | None = None) -> None:
+        self.request_id = request_id
+        self._tools = tools if tools is not None and tools.calls_allowed else None
+        self._schema = OutputValidator(json_schema) if json_schema is not None else None
+        self._tool_validators: dict[str, OutputValidator] = {}
+        self._parsers: dict[int, ToolCallParser] = {}
+        self._texts: dict[int, list[str]] = {}
+        self._on_validated = on_validated
+
+    @property
+    def parses_tools(self) -> bool:
+        return self._tools is not None
+
+    def feed(self, index: int, text: str) -> Piece:
+        if self._schema is not None:
+            self._texts.setdefault(index, []).append(text)
+        if self._tools is None:
+            return Piece(text)
+        content, deltas = self._parser(index).feed(text)
+        return Piece(content, deltas)
+
+    def finish(self, index: int, finish_reason: str | None) -> tuple[Piece, list[ParsedCall], str | None]:
+        """The last piece, the completion's calls, and its finish reason ("tool_calls" when it
+        called tools and stopped)."""
+        piece, calls = Piece(""), []
+        if self._tools is not None:
+            parser = self._parser(index)
+            piece = Piece(*parser.finish())
+            calls = parser.calls
+            self._check_calls(calls)
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        if self._schema is not None and finish_reason == "stop":
+            self._check("json_schema", self._schema, "".join(self._texts.pop(index, [])))
+        return piece, calls, finish_reason
+
+    def _parser(self, index: int) -> ToolCallParser:
+        if index not in self._parsers:
+            assert self._tools is not None
+            self._parsers[index] = ToolCallParser(self._tools.format, new_call_id)
+        return self._parsers[index]
+
+    def _check_calls(self, calls: list[ParsedCall]) -> None:
+        assert self._tools is not None
+        for call in calls:
+            schema = self._tools.schema_of(call.name)
+            if schema is None:
+                log.warning("request %s: the model called an unknown tool %r", self.request_id, call.name)
+                continue
+            if call.name not in self._tool_validators:
+                self._tool_validators[call.name] = OutputValidator(schema)
+            self._check(f"tool_call {call.name}", self._tool_validators[call.name], call.arguments)
+
+    def _check(self, what: str, validator: OutputValidator, text: str) -> None:
+        valid = validator.check(text, what, self.request_id)
+        if self._on_validated is not None:
+            self._on_validated(what.split(" ")[0], valid)
