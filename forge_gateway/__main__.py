@@ -8,7 +8,7 @@ from forge_gateway.config import GatewayConfig, gateway_config_from_env
 from forge_service.logs import log_format
 
 FLAGS = [
-    ("--target", "target", str, "the Forge gRPC service, HOST:PORT"),
+    ("--target", "target", str, "the Forge gRPC service: HOST:PORT, HOST:PORT,HOST:PORT,... or dns:///NAME:PORT"),
     ("--host", "host", str, "address to bind"),
     ("--port", "http_port", int, "HTTP port"),
     ("--api-key", "api_key", str, "require `Authorization: Bearer <key>`"),
@@ -18,6 +18,7 @@ FLAGS = [
     ("--log-format", "log_format", log_format, "text, or json: one object per line with request and trace ids"),
     ("--otlp-traces-endpoint", "otlp_traces_endpoint", str,
      "OTLP/gRPC endpoint for traces (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; unset: no tracing)"),
+    ("--ready-timeout-s", "ready_timeout_s", float, "how long a request waits for a ready replica before 503"),
     ("--grpc-api-key", "grpc_api_key", str, "the service's gRPC API key"),
     ("--grpc-ca-file", "grpc_ca_file", str, "PEM CA of the service's TLS certificate (dial with TLS)"),
     ("--grpc-client-cert", "grpc_client_cert", str, "PEM client certificate for mTLS"),

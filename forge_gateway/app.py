@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry.trace import Tracer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from forge_gateway import convert, dial
+from forge_gateway import balancer, convert
 from forge_gateway.config import GatewayConfig
 from forge_gateway.errors import GatewayError, from_grpc, internal_error, validation_error
 from forge_gateway.metrics import GatewayMetrics, ObservabilityMiddleware, client_interceptors
@@ -30,7 +30,6 @@ from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 _CLOSED_BY_CLIENT = 499  # nginx's code; nobody reads it, the client is gone
 
 
@@ -40,8 +39,8 @@ class ClientDisconnected(Exception):
 
 def create_app(config: GatewayConfig, channel: grpc.aio.Channel | None = None,
                tracer: Tracer | None = None) -> FastAPI:
-    """The ASGI app. Without `channel`, one to config.target is opened at startup (its calls carry
-    the request id and trace context); `tracer`: trace requests (None: off)."""
+    """The ASGI app. Without `channel`, channels to config.target's replicas open at startup (their
+    calls carry the request id and trace context); `tracer`: trace requests (None: off)."""
     metrics = GatewayMetrics()
 
     @contextlib.asynccontextmanager
@@ -49,19 +48,16 @@ def create_app(config: GatewayConfig, channel: grpc.aio.Channel | None = None,
         if channel is not None:
             yield
             return
-        own = dial.open_channel(config, CHANNEL_OPTIONS, client_interceptors(metrics, tracer))
-        app.state.stub = pb_grpc.ForgeStub(own)
-        try:
+        async with balancer.open_replicas(config, client_interceptors(metrics, tracer)) as replicas:
+            app.state.replicas = replicas
             yield
-        finally:
-            await own.close()
 
     app = FastAPI(title="Forge gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(RequestGuard, config=config)  # the API key and the body's bounds, before any parsing
     app.state.config = config
     app.state.metrics = metrics
     if channel is not None:
-        app.state.stub = pb_grpc.ForgeStub(channel)
+        app.state.replicas = balancer.replicas_on(channel, config)
     _install_error_handlers(app, config)
     _add_routes(app, config)
     app.add_route("/metrics", metrics.endpoint, methods=["GET"], include_in_schema=False)
@@ -107,6 +103,11 @@ def _add_routes(app: FastAPI, config: GatewayConfig) -> None:
     async def health(request: Request) -> Response:
         return await _health(request)
 
+    @app.get("/livez")
+    async def livez() -> Response:
+        """Liveness: the gateway's event loop answers (whatever the replicas' state)."""
+        return JSONResponse({"status": "alive"})
+
 
 async def _guard(work: Awaitable[Response]) -> Response:
     """Every route's one error funnel: typed errors pass, gRPC errors map, bugs get an id."""
@@ -122,8 +123,18 @@ async def _guard(work: Awaitable[Response]) -> Response:
         raise internal_error(error) from None
 
 
+def _replicas(request: Request) -> balancer.Replicas:
+    return request.app.state.replicas
+
+
 def _stub(request: Request) -> pb_grpc.ForgeStub:
-    return request.app.state.stub
+    return _replicas(request).work
+
+
+async def _answer(request: Request, call: Any) -> Any:
+    """A unary call's response, once a replica admitted it within the bound."""
+    await _replicas(request).admitted([call])
+    return await call
 
 
 def _ids(request: Request, prefix: str) -> tuple[str, str]:
@@ -155,7 +166,7 @@ async def _chat(request: Request, body: ChatCompletionRequest, config: GatewayCo
         formatter = convert.ChatStream(response_id, created, body.model, body.n, body.logprobs, body.include_usage)
         return await _stream(request, [message], formatter, timeout)
     call = _stub(request).Generate(message, timeout=timeout)
-    response = await _unless_disconnected(request, call, _canceller([call]))
+    response = await _unless_disconnected(request, _answer(request, call), _canceller([call]))
     return JSONResponse(convert.chat_completion(response, response_id, created, body.model, body.logprobs))
 
 
@@ -169,7 +180,7 @@ async def _completions(request: Request, body: CompletionRequest, config: Gatewa
                                              body.include_usage)
         return await _stream(request, messages, formatter, timeout)
     calls = [_stub(request).Generate(m, timeout=timeout) for m in messages]
-    responses = await _unless_disconnected(request, asyncio.gather(*calls), _canceller(calls))
+    responses = await _unless_disconnected(request, asyncio.gather(*(_answer(request, c) for c in calls)), _canceller(calls))
     return JSONResponse(convert.text_completion(responses, response_id, created, body.model, body.n, want_logprobs))
 
 
@@ -181,9 +192,9 @@ async def _models(request: Request) -> Response:
 
 
 async def _health(request: Request) -> Response:
-    """200 when the service is ready, 503 otherwise (loading, draining, unreachable)."""
+    """Readiness: 200 when a replica is ready, 503 otherwise (loading, draining, unreachable)."""
     try:
-        state = await _stub(request).Health(pb.HealthRequest(), timeout=5)
+        state = await _replicas(request).health()
     except grpc.aio.AioRpcError as error:
         return JSONResponse({"status": "unavailable", "detail": error.details() or error.code().name}, 503)
     body = {"status": pb.ServingState.Name(state.state).removeprefix("SERVING_STATE_").lower(),
@@ -234,6 +245,7 @@ async def _stream(request: Request, messages: list[pb.GenerateRequest], formatte
     calls = [_stub(request).Stream(m, timeout=timeout) for m in messages]
     merged = _merge(calls)
     try:
+        await _unless_disconnected(request, _replicas(request).admitted(calls), _canceller(calls))
         first = await _unless_disconnected(request, merged.__anext__(), _canceller(calls))
     except BaseException:
         await merged.aclose()

@@ -9,7 +9,8 @@ from forge_service.config import from_env
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    # The Forge gRPC service, HOST:PORT.
+    # The Forge gRPC service: HOST:PORT, a comma-separated list of them (one per replica), or a
+    # gRPC target URI such as dns:///forge-service-headless:50051 (every address the name has).
     target: str = "127.0.0.1:50051"
     host: str = "127.0.0.1"
     http_port: int = 8000
@@ -54,6 +55,9 @@ class GatewayConfig:
     grpc_client_cert: str | None = None
     grpc_client_key: str | None = None
     grpc_server_name: str | None = None
+    # How long a request waits for a ready replica (none ready: all loading, draining or gone)
+    # before the gateway answers 503.
+    ready_timeout_s: float = 5.0
 
 
 def gateway_config_from_env(env: Mapping[str, str] | None = None, **overrides: Any) -> GatewayConfig:

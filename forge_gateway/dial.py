@@ -49,8 +49,8 @@ def channel_credentials(config: GatewayConfig) -> grpc.ChannelCredentials | None
 
 def open_channel(config: GatewayConfig, options: Sequence[tuple[str, Any]] = (),
                  interceptors: Sequence[Any] = ()) -> grpc.aio.Channel:
-    """A channel to config.target as the configuration says (TLS, client certificate, API key), its
-    calls passing through `interceptors` first."""
+    """A channel to config.target as the configuration says (TLS, client certificate, API key);
+    `interceptors` run on every call before the key is added."""
     key = config.api_key if config.grpc_api_key is None else config.grpc_api_key  # as the service defaults
     interceptors = [*interceptors, *([_UnaryKey(key), _StreamKey(key)] if key else [])] or None
     options = list(options)

@@ -21,7 +21,7 @@ from forge_gateway.errors import GatewayError, unauthorized
 from forge_gateway.models import ChatCompletionRequest, CompletionRequest, _Common
 
 # Probes and Prometheus reach these without the API key; everything else (the OpenAPI schema too) needs it.
-PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+PUBLIC_PATHS = frozenset({"/health", "/livez", "/metrics"})
 
 
 class RequestGuard:

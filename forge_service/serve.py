@@ -26,6 +26,8 @@ from forge_service.tracing import traced
 log = logging.getLogger(__name__)
 # How long uvicorn waits for open HTTP connections once the service has drained.
 _HTTP_GRACE_S = 5
+# The one replica is in this process: waiting for it to become ready would only delay the 503.
+_READY_TIMEOUT_S = 0.0
 
 
 class _Uvicorn(uvicorn.Server):
@@ -43,7 +45,7 @@ def gateway_config(service_config: ServiceConfig, grpc_port: int, local_socket: 
     return gateway_config_from_env(target=target, host=service_config.host,
                                    http_port=service_config.http_port, api_key=service_config.api_key,
                                    grpc_api_key=service_config.grpc_key, log_level=service_config.log_level,
-                                   log_format=service_config.log_format)
+                                   log_format=service_config.log_format, ready_timeout_s=_READY_TIMEOUT_S)
 
 
 async def run_all_async(service: ForgeService, service_config: ServiceConfig,

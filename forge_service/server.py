@@ -6,6 +6,7 @@ import contextlib
 import enum
 import logging
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -37,7 +38,17 @@ _SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+    # Clients (the gateway) ping every 20 s to find dead connections; allow it, even between calls.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    # Close each connection after a few minutes (streams in flight keep it up to 11 min more), so
+    # that clients resolving a headless Service by DNS re-resolve and find replicas added since.
+    ("grpc.max_connection_age_ms", 180_000),
+    ("grpc.max_connection_age_grace_ms", 660_000),
 ]
+# Response header of every admitted generation RPC. Sent at admission, it also commits the call:
+# a client's retry policy retries UNAVAILABLE only for calls that never reached a replica.
+REPLICA_HEADER = "forge-replica"
 
 
 class Phase(enum.Enum):
@@ -115,6 +126,7 @@ class ForgeServicer(pb_grpc.ForgeServicer):
         deadline = asyncio.timeout(_time_remaining(context))
         try:
             with self._service.track() as model:
+                await context.send_initial_metadata(((REPLICA_HEADER, self._service.replica),))
                 async with deadline:
                     yield model
         except TimeoutError as error:
@@ -196,6 +208,7 @@ class ForgeService:
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._in_flight = 0
+        self._admitted = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._tokenizers = TokenizerPool(config.tokenizer_workers, config.max_pending_tokenize)
@@ -250,6 +263,7 @@ class ForgeService:
         if self.phase is not Phase.READY or self.model is None:
             raise Unavailable(f"the service is {self.phase.name.lower()}; retry on another replica or later")
         self._in_flight += 1
+        self._admitted += 1
         self._idle.clear()
         try:
             yield self.model
@@ -265,6 +279,11 @@ class ForgeService:
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    @property
+    def replica(self) -> str:
+        """This replica's name: host (in Kubernetes, the pod) name and gRPC port."""
+        return f"{socket.gethostname()}:{self.port}"
 
     async def drain(self, timeout_s: float) -> bool:
         """Readiness off, refuse new work, wait for in-flight RPCs; True if they all finished."""
@@ -290,7 +309,8 @@ class ForgeService:
     def health_response(self) -> pb.HealthResponse:
         response = pb.HealthResponse(state=self.phase.value, ready=self.phase is Phase.READY,
                                      model=self.model.name if self.model else self._configured_name,
-                                     max_waiting=max(self._max_waiting, 0))
+                                     max_waiting=max(self._max_waiting, 0), requests_admitted=self._admitted,
+                                     requests_in_flight=self._in_flight, replica=self.replica)
         if self.model is not None:
             stats = self.model.engine.stats()
             response.num_waiting, response.num_running = stats.num_waiting, stats.num_running

@@ -315,7 +315,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("model", "state", "ready", "num_waiting", "num_running", "kv_cache_usage", "kv_blocks_used", "kv_blocks_total", "max_waiting")
+    __slots__ = ("model", "state", "ready", "num_waiting", "num_running", "kv_cache_usage", "kv_blocks_used", "kv_blocks_total", "max_waiting", "requests_admitted", "requests_in_flight", "replica")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +325,9 @@ class HealthResponse(_message.Message):
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     model: str
     state: ServingState
     ready: bool
@@ -334,7 +337,10 @@ class HealthResponse(_message.Message):
     kv_blocks_used: int
     kv_blocks_total: int
     max_waiting: int
-    def __init__(self, model: _Optional[str] = ..., state: _Optional[_Union[ServingState, str]] = ..., ready: _Optional[bool] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., max_waiting: _Optional[int] = ...) -> None: ...
+    requests_admitted: int
+    requests_in_flight: int
+    replica: str
+    def __init__(self, model: _Optional[str] = ..., state: _Optional[_Union[ServingState, str]] = ..., ready: _Optional[bool] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., max_waiting: _Optional[int] = ..., requests_admitted: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

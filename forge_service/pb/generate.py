@@ -20,6 +20,7 @@ PROTO_FILE = "forge/v1/forge.proto"
 PB_DIR = Path(__file__).resolve().parent
 # The files `generate` writes; the drift test compares exactly these.
 OUTPUTS = ("forge_pb2.py", "forge_pb2.pyi", "forge_pb2_grpc.py", "forge_descriptor.pb")
+CHART_DESCRIPTOR = ROOT / "helm" / "forge" / "files" / "forge_descriptor.pb"
 _IMPORT_FROM = "from forge.v1 import forge_pb2"
 _IMPORT_TO = "from forge_service.pb import forge_pb2"
 
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for path in generate(args.out):
         print(path)
+    if args.out == PB_DIR:  # the Helm chart's Envoy ConfigMap is built from its own copy of the descriptor
+        shutil.copyfile(PB_DIR / "forge_descriptor.pb", CHART_DESCRIPTOR)
+        print(CHART_DESCRIPTOR)
     return 0
 
 
