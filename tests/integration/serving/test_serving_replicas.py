@@ -29,7 +29,8 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 
 def service_command(port: int | None = None) -> list[str]:
-    return [sys.executable, "-m", "forge_service", "--grpc-port", str(port) if port else "{grpc_port}", *SERVICE_ARGS]
+    return [sys.executable, "-m", "forge_service", "--grpc-port", str(port) if port else "{grpc_port}",
+            "--metrics-port", "{metrics_port}", *SERVICE_ARGS]
 
 
 @contextlib.contextmanager
