@@ -6,19 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forge_service import LLM, SamplingParams
-from forge_service.backends import cpu
+from forge_service import LLM, SamplingParams, backends
+from forge_service.backends.base import AttentionMetadata
+from forge_service.backends.cpu import CpuBackend
 from forge_service.backends.cuda.metadata import ModelShape, prepare
 from forge_service.backends.cuda.prefill_attention import tokens_per_tile
 from forge_service.backends.cuda.sampler import CudaSampler
-from forge_service.layers.attention import AttentionMetadata
 from forge_service.sampling import RowSampling, SamplingMetadata
 from tests.tiny_models import random_weights, tiny_arch, tiny_tokenizer_json, write_safetensors_dir
 
 GROUP = 2  # tiny_arch: 4 heads over 2 KV heads
 
 
-class CheckingBackend(cpu.CpuBackend):
+class CheckingBackend(CpuBackend):
     """The CPU backend, which also builds the CUDA metadata of every step and checks it."""
 
     steps: list[str] = []
@@ -62,7 +62,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_metadata_of_mixed_chunked_steps(tiny_dir, monkeypatch):
-    monkeypatch.setitem(cpu.BACKENDS, "checking", CheckingBackend)
+    monkeypatch.setitem(backends.BACKENDS, "checking", CheckingBackend)
     CheckingBackend.steps = []
     llm = LLM(model=str(tiny_dir), dtype="float32", device="checking", block_size=4, max_num_batched_tokens=24)
     prompts = [list(range(3, 3 + n)) for n in (5, 31, 9, 60, 17)]
