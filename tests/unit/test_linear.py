@@ -87,6 +87,14 @@ def test_small_batches_use_the_4bit_kernel_and_large_ones_the_dense_weight(kerne
     assert torch.equal(linear(big), F.linear(big, linear.weight))
 
 
+def test_the_cpu_keeps_no_small_batch_form_where_its_kernels_do_not_serve() -> None:
+    w4 = _int4_weight(96, 128)
+    assert Linear(CPU, w4.dequantize(), w4, int8_rows=True).packed is None  # fp32, the reference: dense only
+    ragged = _int4_weight(40, 64)  # 40 output rows: not whole tiles of 16
+    assert Linear(CPU, ragged.dequantize().bfloat16(), ragged).packed is None
+    assert Linear(CPU, ragged.dequantize().bfloat16(), ragged, int8_rows=True).packed.levels == 1
+
+
 def test_int4_weights_fuse_along_the_output_dimension() -> None:
     parts = [_int4_weight(n, 64) for n in (32, 16, 16)]
     fused = Int4Weight.cat(parts)
