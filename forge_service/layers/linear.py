@@ -1,7 +1,7 @@
-"""Linear layers: a dense weight and the form of it its backend's kernels read besides.
+"""Linear layers: a dense weight, plus whatever other form of it the backend's kernels read.
 
-On the CPU that is the checkpoint's own 4-bit codes (or an int8 copy of the lm_head) for small
-batches (backends/cpu_linear.py); the CUDA backend's GEMMs read the dense weight alone.
+On the CPU that is, for small batches, the checkpoint's own 4-bit codes or an int8 copy of the
+lm_head (backends/cpu_linear.py); the CUDA backend's GEMMs read the dense weight alone.
 """
 from __future__ import annotations
 
