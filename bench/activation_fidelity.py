@@ -24,7 +24,7 @@ from conftest import CHAT_PROMPTS, RAW_PROMPTS  # noqa: E402
 
 from forge_service import LLM, SamplingParams  # noqa: E402
 from forge_service.backends import cpu_kernels  # noqa: E402
-from forge_service.layers import linear as linear_module  # noqa: E402
+from forge_service.backends import cpu_linear  # noqa: E402
 
 MAX_TOKENS = 48
 
@@ -54,13 +54,13 @@ def all_logprobs(llm: LLM, seqs: list[tuple[list[int], list[int]]]) -> list[torc
 def configure(llm: LLM, config: str) -> None:
     model = llm.engine.runner.model
     model.decode_plan = None  # the per-kernel path, where the GEMM can be swapped
-    model.lm_head.native = None  # the lm_head's own int8 is not what is measured
-    linear_module.NATIVE_MAX_ROWS = 0 if config == "dense" else 1 << 30
+    model.lm_head.packed.native = None  # the lm_head's own int8 is not what is measured
+    cpu_linear.NATIVE_MAX_ROWS = 0 if config == "dense" else 1 << 30
     levels = 1 if config == "one" else 2
     fine_above = 0.0 if config == "all" else cpu_kernels.FINE_ABOVE if config in ("dense", "one") else float(config)
     for layer in model.layers:
         for name in ("qkv", "o_proj", "gate_up", "down"):
-            getattr(layer, name).levels = levels
+            getattr(layer, name).packed.levels = levels
     cpu_kernels.linear = functools.partial(ORIGINAL_LINEAR, fine_above=fine_above)
 
 

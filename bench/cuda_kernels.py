@@ -48,8 +48,8 @@ def elementwise_rows(backend, t: int, ceil) -> list[dict]:
     qk = qkv[:, :(a.num_heads + a.num_kv_heads) * a.head_dim].view(t, a.num_heads + a.num_kv_heads, a.head_dim)
     from forge_service.layers.rotary import RotaryEmbedding
 
-    rope = backend.rotary_tables(RotaryEmbedding(a.head_dim, 8192, a.rope_theta, a.rope_scaling),
-                                 torch.arange(t, device="cuda") % 8192, bf)
+    tables = RotaryEmbedding(a.head_dim, 8192, a.rope_theta, a.rope_scaling)
+    rope = backend.rotary_tables(tables.cos, tables.sin, torch.arange(t, device="cuda") % 8192, bf)
     shape = f"T={t}"
     return [
         row("rms_norm fp32->bf16", shape, time_ms(lambda: backend.rms_norm(x, w, 1e-5)), t * d * 6, ceil=ceil),

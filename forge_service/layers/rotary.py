@@ -52,7 +52,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables indexed by absolute position."""
+    """Precomputed fp32 cos/sin tables [P, hd] indexed by absolute position; a backend's
+    rotary_tables picks a step's rows of them."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None = None, freq_factors: torch.Tensor | None = None) -> None:
@@ -60,14 +61,3 @@ class RotaryEmbedding:
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, hd]
         self.cos, self.sin = emb.cos(), emb.sin()
-
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # -> cos, sin: [T, 1, hd], shared by every layer of one step
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, hd]; cos/sin: [T, 1, hd]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

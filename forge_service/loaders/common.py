@@ -6,8 +6,8 @@ from typing import Callable
 
 import torch
 
+from forge_service.backends.base import Int4Weight
 from forge_service.errors import ModelLoadError
-from forge_service.layers.linear import Int4Weight
 from forge_service.models.arch import ArchConfig
 
 # llama.cpp's per-dimension rope divisors (llama3 rope scaling), kept float32 and 1-D.

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from forge_service.backends.base import Int4Weight
 from forge_service.errors import ModelLoadError
-from forge_service.layers.linear import Int4Weight
 from forge_service.loaders.common import ROPE_FREQ_FACTORS, Checkpoint, check_arch, check_tensors
 from forge_service.loaders.gguf_int4 import INT4_TYPES, int4_weight
 from forge_service.models.arch import ArchConfig

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from forge_service.layers.linear import INT4_GROUP, Int4Weight
+from forge_service.backends.base import INT4_GROUP, Int4Weight
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from forge_service.layers.attention import AttentionMetadata
-from forge_service.layers.linear import Int4Weight, Linear, int4_supported
+from forge_service.backends.base import AttentionMetadata, Backend, Int4Weight
+from forge_service.layers.linear import Linear
 from forge_service.layers.rotary import RotaryEmbedding
 from forge_service.models.arch import ArchConfig
 from forge_service.sampling import ops
@@ -28,26 +28,23 @@ class LlamaLayer:
 class LlamaModel:
     """Weights plus a forward; knows nothing of requests, only of a flat token batch."""
 
-    def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], backend,
+    def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], backend: Backend,
                  int4: dict[str, Int4Weight] | None = None) -> None:
         self.arch = arch
         self.backend = backend
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.embed = weights["model.embed_tokens.weight"]  # [V, D]
-        # [V, D]. In bf16 on the CPU a decode step reads it as int8: its leading logits are refined anyway.
-        int8 = self.dtype == torch.bfloat16 and self.embed.device.type == "cpu"
-        self.lm_head = Linear(weights.get("lm_head.weight", self.embed), int8_rows=int8)
+        # [V, D]. A backend may read it as int8 for small batches: its leading logits are refined anyway.
+        self.lm_head = Linear(backend, weights.get("lm_head.weight", self.embed), int8_rows=True)
         self.norm = weights["model.norm.weight"]
         self.layers = [self._layer(weights, int4 or {}, i) for i in range(arch.num_layers)]
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                       arch.rope_scaling, weights.get("model.rope_freq_factors"))
         self.scale = arch.head_dim ** -0.5
         # The CPU backend runs a whole decode step's layers in one native call where it can.
-        plan = getattr(backend, "decode_plan", None)
-        self.decode_plan = plan(self.layers, arch, self.scale) if plan is not None else None
+        self.decode_plan = backend.decode_plan(self.layers, arch, self.scale)
 
-    @staticmethod
-    def _layer(w: dict[str, torch.Tensor], int4: dict[str, Int4Weight], i: int) -> LlamaLayer:
+    def _layer(self, w: dict[str, torch.Tensor], int4: dict[str, Int4Weight], i: int) -> LlamaLayer:
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
 
@@ -55,9 +52,9 @@ class LlamaModel:
             # Fused when several; the 4-bit form only when every part has one.
             weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
             parts = [int4.get(n) for n in names]
-            if None in parts or not int4_supported(weight):
-                return Linear(weight)
-            return Linear(weight, Int4Weight.cat(parts) if len(parts) > 1 else parts[0])
+            if None in parts:
+                return Linear(self.backend, weight)
+            return Linear(self.backend, weight, Int4Weight.cat(parts) if len(parts) > 1 else parts[0])
 
         return LlamaLayer(
             input_norm=w[p + "input_layernorm.weight"],
@@ -74,7 +71,7 @@ class LlamaModel:
         # The residual stream stays fp32 whatever the compute dtype: in bf16 this keeps greedy
         # outputs much closer to fp32 at the cost of two casts per layer.
         x = self.embed[input_ids].float()  # [T, D]
-        rope = self.backend.rotary_tables(self.rotary, positions, self.dtype)
+        rope = self.backend.rotary_tables(self.rotary.cos, self.rotary.sin, positions, self.dtype)
         if self.decode_plan is not None and self.decode_plan.takes(meta, x.shape[0]):
             delta = self.decode_plan(x, *rope, kv_caches, meta)  # the loop below, in one native call
         else:
@@ -85,7 +82,7 @@ class LlamaModel:
                 delta = self._mlp(layer, self._add_norm(x, delta, layer.post_norm))
         rows = x[logits_indices] if delta is None else x[logits_indices] + delta[logits_indices]
         h = self.backend.rms_norm(rows, self.norm.float(), self.arch.rms_norm_eps)  # [N, D] fp32
-        logits = self.backend.linear(h.to(self.dtype), self.lm_head).float()  # [N, V]
+        logits = self.lm_head(h.to(self.dtype)).float()  # [N, V]
         if self.dtype != torch.float32:
             self._refine_leaders(h, logits)
         return logits
@@ -107,14 +104,14 @@ class LlamaModel:
                    meta: AttentionMetadata) -> torch.Tensor:
         a = self.arch
         t = h.shape[0]
-        qk, v = self.backend.linear(h, layer.qkv).split(
+        qk, v = layer.qkv(h).split(
             [(a.num_heads + a.num_kv_heads) * a.head_dim, a.num_kv_heads * a.head_dim], dim=-1)
         q, k = self.backend.rotary(qk.view(t, a.num_heads + a.num_kv_heads, a.head_dim), a.num_heads,
                                    rope)  # [T, H, hd], [T, Hkv, hd]
         v = v.view(t, a.num_kv_heads, a.head_dim)
         self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = self.backend.attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H * hd]
-        return self.backend.linear(o, layer.o_proj)
+        return layer.o_proj(o)
 
     def _mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
-        return self.backend.linear(self.backend.silu_and_mul(self.backend.linear(h, layer.gate_up)), layer.down)
+        return layer.down(self.backend.silu_and_mul(layer.gate_up(h)))

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from forge_service.backends.base import Int4Weight
 from forge_service.errors import ModelLoadError
-from forge_service.layers.linear import Int4Weight
 from forge_service.models.arch import ArchConfig
 from forge_service.models.llama import LlamaModel
 

@@ -6,9 +6,9 @@ from typing import Callable
 
 import torch
 
+from forge_service.backends.base import AttentionMetadata, PrefillSeq
 from forge_service.config import CacheConfig
 from forge_service.engine.outputs import ScheduledChunk, SchedulerOutput
-from forge_service.layers.attention import AttentionMetadata, PrefillSeq
 from forge_service.models.arch import ArchConfig
 from forge_service.sampling import RowSampling, Sampler, SamplingMetadata
 from forge_service.structured import MatcherSet

@@ -7,7 +7,7 @@ import torch
 
 from forge_service import LLM, SamplingParams
 from forge_service.backends import cpu_kernels
-from forge_service.layers.attention import AttentionMetadata
+from forge_service.backends.base import AttentionMetadata
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(cpu_kernels.library() is None,
                                                    reason="the native CPU kernels cannot run on this machine")]

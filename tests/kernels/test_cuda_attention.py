@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from forge_service.backends.base import AttentionMetadata, PrefillSeq
 from forge_service.backends.cpu import CpuBackend
 from forge_service.backends.cuda import decode_attention
-from forge_service.layers.attention import AttentionMetadata, PrefillSeq
 from tests.kernels.helpers import assert_close, poison_allocator
 
 pytestmark = pytest.mark.gpu

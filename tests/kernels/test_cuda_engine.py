@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from forge_service import LLM, SamplingParams
-from forge_service.layers.attention import AttentionMetadata, PrefillSeq
+from forge_service.backends.base import AttentionMetadata, PrefillSeq
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 PROMPTS = [

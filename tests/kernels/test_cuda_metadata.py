@@ -6,19 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forge_service import LLM, SamplingParams
-from forge_service.backends import cpu
+from forge_service import LLM, SamplingParams, backends
+from forge_service.backends.base import AttentionMetadata
+from forge_service.backends.cpu import CpuBackend
 from forge_service.backends.cuda.metadata import ModelShape, prepare
 from forge_service.backends.cuda.prefill_attention import tokens_per_tile
 from forge_service.backends.cuda.sampler import CudaSampler
-from forge_service.layers.attention import AttentionMetadata
 from forge_service.sampling import RowSampling, SamplingMetadata
 from tests.tiny_models import random_weights, tiny_arch, tiny_tokenizer_json, write_safetensors_dir
 
 GROUP = 2  # tiny_arch: 4 heads over 2 KV heads
 
 
-class CheckingBackend(cpu.CpuBackend):
+class CheckingBackend(CpuBackend):
     """The CPU backend, which also builds the CUDA metadata of every step and checks it."""
 
     steps: list[str] = []
@@ -62,7 +62,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_metadata_of_mixed_chunked_steps(tiny_dir, monkeypatch):
-    monkeypatch.setitem(cpu.BACKENDS, "checking", CheckingBackend)
+    monkeypatch.setitem(backends.BACKENDS, "checking", CheckingBackend)
     CheckingBackend.steps = []
     llm = LLM(model=str(tiny_dir), dtype="float32", device="checking", block_size=4, max_num_batched_tokens=24)
     prompts = [list(range(3, 3 + n)) for n in (5, 31, 9, 60, 17)]
@@ -84,3 +84,27 @@ def test_sampler_row_parameters():
     assert top_p.tolist()[1] == pytest.approx(0.9) and min_p.tolist()[1] == pytest.approx(0.1)
     assert seeds.tolist()[1] == -1  # 2**64 - 1, as the kernel's uint64
     assert steps.tolist() == [0, 2, 1]
+
+
+def test_float32_prefill_chunks_take_the_torch_reference():
+    """The CUDA backend attends fp32 prefill chunks with torch_ref's SDPA, as the CPU backend does:
+    run here on CPU tensors, with no kernels (no decode rows, no 16-bit prefill batch)."""
+    from forge_service.backends.base import PrefillSeq
+    from forge_service.backends.cuda.backend import CudaBackend
+    from forge_service.backends.cuda.metadata import CudaAttentionMetadata
+
+    g = torch.Generator().manual_seed(0)
+    bs, hkv, h, hd, slots = 4, 2, 4, 8, 64
+    k_cache, v_cache = torch.randn(slots, hkv, hd, generator=g), torch.randn(slots, hkv, hd, generator=g)
+    q = torch.randn(9, h, hd, generator=g)
+    k, v = torch.randn(9, hkv, hd, generator=g), torch.randn(9, hkv, hd, generator=g)
+    ctx = torch.tensor([8, 9, 10, 11, 20, 21, 22])  # 2 cached tokens, then this chunk's 5
+    causal = torch.arange(7)[None] <= torch.arange(2, 7)[:, None]  # [5, 7]
+    seqs = [PrefillSeq(0, 4), PrefillSeq(4, 9, ctx_slots=ctx, mask=causal)]
+    slot_mapping = torch.cat([torch.arange(4), ctx[2:]])
+    backend = object.__new__(CudaBackend)  # no GPU here: only the torch path may run
+    got = backend.attention(q, k, v, k_cache, v_cache,
+                            CudaAttentionMetadata(slot_mapping, bs, 0, torch_prefills=seqs), hd ** -0.5)
+    want = CpuBackend.attention(q, k, v, k_cache, v_cache, AttentionMetadata(slot_mapping, bs, 0, prefills=seqs),
+                                hd ** -0.5)
+    assert got.shape == (9, h * hd) and torch.equal(got, want)

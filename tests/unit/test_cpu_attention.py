@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from forge_service.backends.base import AttentionMetadata, PrefillSeq
 from forge_service.backends.cpu import CpuBackend
-from forge_service.layers.attention import AttentionMetadata, PrefillSeq
 
 BS, HKV, H, HD = 4, 2, 6, 8
 

@@ -9,7 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from forge_service.backends import cpu_kernels
-from forge_service.layers.linear import INT4_MAX_ROWS, INT8_MAX_ROWS, NATIVE_MAX_ROWS, Int4Weight, Linear
+from forge_service.backends.base import Int4Weight
+from forge_service.backends.cpu import CpuBackend
+from forge_service.backends.cpu_linear import INT4_MAX_ROWS, INT8_MAX_ROWS, NATIVE_MAX_ROWS
+from forge_service.layers.linear import Linear
 from forge_service.llm import LLM
 from forge_service.loaders import load_checkpoint
 from forge_service.engine.request import SamplingParams
@@ -19,6 +22,7 @@ ARCH = tiny_arch()
 WEIGHTS = random_weights(ARCH)
 K_ARCH = tiny_arch(hidden_size=256, intermediate_size=256)  # K-quant rows are multiples of 256
 K_WEIGHTS = random_weights(K_ARCH, seed=1)
+CPU = CpuBackend()
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -60,19 +64,20 @@ def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def _kernel_rows(linear: Linear, kernels: str, torch_rows: int) -> int:
+    packed = linear.packed
     if kernels == "native":
-        assert linear.native is not None and linear.packed is None and linear.int8 is None
+        assert packed.native is not None and packed.int4pack is None and packed.int8 is None
         return NATIVE_MAX_ROWS
-    assert linear.native is None
+    assert packed.native is None
     return torch_rows
 
 
 def test_small_batches_use_the_4bit_kernel_and_large_ones_the_dense_weight(kernels: str) -> None:
     w4 = _int4_weight(96, 128)
     exact = w4.dequantize()
-    linear = Linear(exact.bfloat16(), w4)
+    linear = Linear(CPU, exact.bfloat16(), w4)
     max_rows = _kernel_rows(linear, kernels, INT4_MAX_ROWS)
-    assert (linear.packed is not None) == (kernels == "torch")
+    assert (linear.packed.int4pack is not None) == (kernels == "torch")
     for rows in (1, 3, 5, max_rows):
         x = torch.randn(rows, 128).bfloat16()
         got = linear(x).float()
@@ -80,6 +85,14 @@ def test_small_batches_use_the_4bit_kernel_and_large_ones_the_dense_weight(kerne
         assert (got - want).abs().max() < 0.02 * want.abs().max()
     big = torch.randn(max_rows + 1, 128).bfloat16()
     assert torch.equal(linear(big), F.linear(big, linear.weight))
+
+
+def test_the_cpu_keeps_no_small_batch_form_where_its_kernels_do_not_serve() -> None:
+    w4 = _int4_weight(96, 128)
+    assert Linear(CPU, w4.dequantize(), w4, int8_rows=True).packed is None  # fp32, the reference: dense only
+    ragged = _int4_weight(40, 64)  # 40 output rows: not whole tiles of 16
+    assert Linear(CPU, ragged.dequantize().bfloat16(), ragged).packed is None
+    assert Linear(CPU, ragged.dequantize().bfloat16(), ragged, int8_rows=True).packed.levels == 1
 
 
 def test_int4_weights_fuse_along_the_output_dimension() -> None:
@@ -90,9 +103,9 @@ def test_int4_weights_fuse_along_the_output_dimension() -> None:
 
 def test_int8_rows_stay_close_to_the_dense_product_and_large_batches_are_exact(kernels: str) -> None:
     w = (torch.randn(320, 64) * 0.05).bfloat16()
-    linear = Linear(w, int8_rows=True)
+    linear = Linear(CPU, w, int8_rows=True)
     max_rows = _kernel_rows(linear, kernels, INT8_MAX_ROWS)
-    assert (linear.int8 is not None) == (kernels == "torch")
+    assert (linear.packed.int8 is not None) == (kernels == "torch")
     for rows in (*range(1, INT8_MAX_ROWS + 1), max_rows):
         x = torch.randn(rows, 64).bfloat16()
         want = x.float() @ w.float().T
@@ -107,9 +120,9 @@ def test_bf16_engine_on_a_q4_1_file_decodes_with_its_codes_and_tracks_fp32(tmp_p
     model = fast.engine.model
     small = [model.lm_head] + [linear for layer in model.layers for linear in (layer.qkv, layer.down)]
     if kernels == "native":
-        assert all(linear.native is not None for linear in small)
+        assert all(linear.packed.native is not None for linear in small)
     else:
-        assert all(linear.packed is not None for linear in small[1:]) and model.lm_head.int8 is not None
+        assert all(linear.packed.int4pack is not None for linear in small[1:]) and model.lm_head.packed.int8 is not None
     reference = LLM(model=path, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     prompt = [[5, 17, 40, 99, 120, 7]]

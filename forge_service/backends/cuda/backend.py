@@ -1,11 +1,13 @@
-"""CudaBackend: the CPU backend's interface, on NVRTC kernels, autotuned GEMMs and CUDA graphs."""
+"""CudaBackend: the Backend protocol (base.py) on NVRTC kernels, autotuned GEMMs and CUDA graphs."""
 from __future__ import annotations
 
 import logging
+from typing import Any, Sequence
 
 import torch
 
-from forge_service.backends.cpu import CpuBackend
+from forge_service.backends import torch_ref
+from forge_service.backends.base import AttentionMetadata, Forward, Int4Weight
 from forge_service.backends.cuda import activation, cache, decode_attention, norm, prefill_attention, rotary
 from forge_service.backends.cuda.driver import INSTALL_HINT, bindings
 from forge_service.backends.cuda.gemm import GemmTuner
@@ -14,9 +16,6 @@ from forge_service.backends.cuda.launch import Kernels
 from forge_service.backends.cuda.metadata import CudaAttentionMetadata, ModelShape, prepare
 from forge_service.backends.cuda.sampler import CudaSampler
 from forge_service.errors import DeviceUnavailable
-from forge_service.layers.attention import AttentionMetadata
-from forge_service.layers.linear import Linear
-from forge_service.layers.rotary import RotaryEmbedding
 
 log = logging.getLogger("forge.cuda")
 
@@ -42,9 +41,17 @@ class CudaBackend:
         self.gemm = GemmTuner(self.device)
         self.graphs: DecodeGraphs | None = None
         self.shape: ModelShape | None = None  # set by startup()
-        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id of the model's fp32 cos table -> (that table, kept so the id stays its own; cos, sin on the GPU)
+        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    # ---- the CPU backend's interface ----
+    # ---- weights ----
+    def pack_linear(self, weight: torch.Tensor, int4: Int4Weight | None, int8_rows: bool) -> None:
+        return None  # the GEMMs read the dense weight
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, packed: None) -> torch.Tensor:
+        return self.gemm(x, weight)
+
+    # ---- per-layer ops ----
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         cache.write_kv(self.kernels, k_cache, v_cache, k, v, slot_mapping)
@@ -61,13 +68,11 @@ class CudaBackend:
         if meta.prefill is not None:
             prefill_attention.paged_prefill(self.kernels, out, q, k_cache, v_cache, meta.prefill, meta.block_size,
                                             scale)
-        if meta.torch_prefills:
-            cpu_meta = AttentionMetadata(meta.slot_mapping, meta.block_size, 0, prefills=meta.torch_prefills)
-            ref = CpuBackend.attention(q, k, v, k_cache, v_cache, cpu_meta, scale)
-            out[d:] = ref[d:]
+        for seq in meta.torch_prefills:  # float32: the torch reference, on the GPU
+            rows = torch_ref.prefill_attention(q, k, v, k_cache, v_cache, seq, scale)  # [L, H, hd]
+            out[seq.q_start:seq.q_end] = rows.flatten(1)
         return out
 
-    # ---- model ops (the CPU backend has the same, in torch) ----
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return norm.rms_norm(self.kernels, x, weight, eps)
 
@@ -78,19 +83,20 @@ class CudaBackend:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return activation.silu_and_mul(self.kernels, gate_up)
 
-    def linear(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
-        return self.gemm(x, layer.weight)
-
-    def rotary_tables(self, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
-        if id(rope) not in self._rope:  # the float32 tables, copied to the GPU once
-            self._rope[id(rope)] = (rope.cos.to(self.device).contiguous(), rope.sin.to(self.device).contiguous())
-        return (positions, *self._rope[id(rope)])
+    def rotary_tables(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                      dtype: torch.dtype) -> RopeTables:
+        if id(cos) not in self._rope:  # the float32 tables, copied to the GPU once
+            self._rope[id(cos)] = (cos, cos.to(self.device).contiguous(), sin.to(self.device).contiguous())
+        return (positions, *self._rope[id(cos)][1:])
 
     def rotary(self, qk: torch.Tensor, num_heads: int, tables: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
         # qk: [T, H + Hkv, hd] -> q [T, H, hd], k [T, Hkv, hd], rotated in place
         q, k = qk.split([num_heads, qk.shape[1] - num_heads], dim=1)
         rotary.rotary_(self.kernels, q, k, *tables)
         return q, k
+
+    def decode_plan(self, layers: Sequence[Any], arch: Any, scale: float) -> None:
+        return None  # decode steps run op by op, replayed from CUDA graphs (see run)
 
     # ---- per step and at start-up ----
     def prepare(self, meta: AttentionMetadata) -> CudaAttentionMetadata:
@@ -100,7 +106,8 @@ class CudaBackend:
     def sampler(self) -> CudaSampler:
         return CudaSampler(self.kernels)
 
-    def startup(self, forward, arch, dtype: torch.dtype, block_size: int, max_batch: int, max_len: int) -> None:
+    def startup(self, forward: Forward, arch: Any, dtype: torch.dtype, block_size: int, max_batch: int,
+                max_len: int) -> None:
         """Record the model's shape, then capture decode graphs for `forward(ids, positions, meta,
         logit_rows)`, the model bound to its KV cache (max_batch 0: no graphs)."""
         decode_attention.check_shape(dtype, arch.num_heads, arch.num_kv_heads, arch.head_dim)
@@ -112,8 +119,8 @@ class CudaBackend:
         with torch.inference_mode():
             self.graphs.capture(capture_sizes(max_batch))
 
-    def run(self, forward, input_ids: torch.Tensor, positions: torch.Tensor, meta: CudaAttentionMetadata,
-            logit_rows: torch.Tensor) -> torch.Tensor:
+    def run(self, forward: Forward, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: CudaAttentionMetadata, logit_rows: torch.Tensor) -> torch.Tensor:
         """The step's logits: replayed from a graph for a decode-only step, else run eagerly."""
         if self.graphs is not None and logit_rows.shape[0] == meta.num_decode_tokens:
             logits = self.graphs.run(input_ids, positions, meta)

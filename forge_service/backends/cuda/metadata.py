@@ -5,9 +5,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from forge_service.backends.base import AttentionMetadata, PrefillSeq
 from forge_service.backends.cuda.decode_attention import plan_splits
 from forge_service.backends.cuda.prefill_attention import PrefillBatch, build_tiles
-from forge_service.layers.attention import AttentionMetadata, PrefillSeq
 
 
 @dataclass

@@ -1,0 +1,98 @@
+"""The CPU backend's linear layers: a dense weight and, where the checkpoint stored one, its 4-bit form.
+
+A decode step multiplies a few rows by every weight once, so it is bound by the bytes it reads:
+with the checkpoint's own 4-bit codes it reads a quarter of what a bf16 copy costs. Large batches
+(prefill chunks) are bound by arithmetic instead and use the dense GEMM.
+
+Small batches run on the native kernels (cpu_kernels.py: int8 activations times 4-bit or int8
+weights, AVX-512 VNNI) where this machine can build and run them, and on torch's 4-bit and int8
+kernels otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from forge_service.backends import cpu_kernels
+from forge_service.backends.base import INT4_GROUP, Int4Weight
+
+# Up to this many rows the 4-bit kernel beats the bf16 GEMM on CPU (measured on the default
+# model's shapes with weights out of cache: 5x at 1 row, 1.3x at 16, 1.1x at 24, slower from 32).
+# Decode steps that carry a short prefill chunk stay under it too.
+INT4_MAX_ROWS = 24
+# Likewise for the per-row int8 kernel (2x at 1 row on the 49k x 576 lm_head, slower from 16).
+INT8_MAX_ROWS = 4
+# The native kernels against the bf16 GEMM on the default model's shapes: 5x at 1 row on gate_up
+# (2x torch's 4-bit kernel), even at 16 to 24 rows, slower from 32; about 4x torch's int8 kernel
+# on the lm_head at 1 row.
+NATIVE_MAX_ROWS = 24
+
+
+@dataclass
+class CpuWeight:
+    """The small-batch forms of one weight: the native kernels' where they run here, else torch's
+    4-bit or int8 one."""
+
+    native: cpu_kernels.QuantWeight | None = None
+    # Activations go to the native kernels as int8 with a second level in their outlier groups
+    # (close to bf16 activations: see cpu_kernels.linear), or as one level for the int8 lm_head:
+    # the model recomputes its leading logits in fp32 anyway.
+    levels: int = 2
+    int4pack: torch.Tensor | None = None  # torch's 4-bit form
+    scale_zeros: torch.Tensor | None = None
+    int8: torch.Tensor | None = None  # torch's int8 form
+    int8_scale: torch.Tensor | None = None
+
+
+def pack(weight: torch.Tensor, int4: Int4Weight | None, int8_rows: bool) -> CpuWeight | None:
+    """The small-batch form of weight [N, K]: its 4-bit codes where the checkpoint has them (bf16,
+    whole groups), or with `int8_rows` an int8 copy (bf16); None where the dense GEMM serves alone."""
+    if int4 is not None and not int4_supported(weight):
+        int4 = None
+    int8_rows = int8_rows and weight.dtype == torch.bfloat16
+    if int4 is None and not int8_rows:
+        return None
+    out = CpuWeight(levels=1 if int8_rows else 2)
+    if cpu_kernels.supports(weight.shape):
+        out.native = (cpu_kernels.pack_q4(int4.codes, int4.scale, int4.zero) if int4 is not None
+                      else cpu_kernels.pack_q8(weight))
+    elif int4 is not None:
+        out.int4pack, out.scale_zeros = _pack(int4, weight.dtype)
+    else:
+        out.int8, out.int8_scale = _quantize_rows(weight)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: CpuWeight | None) -> torch.Tensor:
+    # x: [T, K] -> [T, N]
+    rows = x.shape[0]
+    if packed is not None:
+        if packed.native is not None and rows <= NATIVE_MAX_ROWS:
+            return cpu_kernels.linear(x, packed.native, packed.levels)
+        if packed.int4pack is not None and rows <= INT4_MAX_ROWS:
+            return torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed.int4pack, INT4_GROUP, packed.scale_zeros)
+        if packed.int8 is not None and rows <= INT8_MAX_ROWS:
+            return torch._weight_int8pack_mm(x.contiguous(), packed.int8, packed.int8_scale)
+    return F.linear(x, weight)
+
+
+def int4_supported(weight: torch.Tensor) -> bool:
+    """Whether the CPU 4-bit kernels serve this weight: bf16 compute and whole groups."""
+    n, k = weight.shape
+    return weight.dtype == torch.bfloat16 and k % INT4_GROUP == 0 and n % 16 == 0
+
+
+def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Symmetric int8, one scale per output row: w ~ q * scale.
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # [N]
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale.to(weight.dtype)
+
+
+def _pack(w: Int4Weight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    packed = torch._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32), 1)
+    scale_zeros = torch.stack([w.scale, w.zero], dim=-1).transpose(0, 1).contiguous().to(dtype)  # [K/32, N, 2]
+    return packed, scale_zeros
