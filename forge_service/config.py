@@ -94,8 +94,9 @@ class ServiceConfig:
     tls_client_ca: str | None = None
     # Threads that render chat templates and tokenize, off the event loop.
     tokenizer_workers: int = 2
-    # Requests waiting for (or in) those threads; past it RESOURCE_EXHAUSTED (queue_full).
-    max_pending_tokenize: int = 64
+    # Requests waiting for (or in) those threads; past it RESOURCE_EXHAUSTED (queue_full). As deep as
+    # the engine's waiting queue (max_waiting), so a burst the engine would queue is not refused here.
+    max_pending_tokenize: int = 256
     limits: LimitsConfig = LimitsConfig()
     log_level: str = "info"
     # "text" or "json" (one object per line, with the request id and trace ids).

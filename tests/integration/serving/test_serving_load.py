@@ -109,3 +109,47 @@ def test_clients_that_disconnect_mid_stream_free_their_kv_blocks(idle_server: Fo
     client = openai.OpenAI(base_url=idle_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     after = client.chat.completions.create(model=model_name, messages=CHAT_PROMPTS[0], max_tokens=4, temperature=0)
     assert after.choices[0].message.content and after.choices[0].finish_reason == "length"
+
+
+STORM_STREAMS = 100
+
+
+def test_a_storm_of_clients_leaving_after_the_first_token_leaves_nothing_behind(idle_server: ForgeProcess,
+                                                                                model_name) -> None:
+    """100 streaming clients (chat and completions) each leave after their first token while unary
+    requests run beside them: afterwards no request runs or waits, no KV block is in use, every
+    unary request finished normally, and a greedy request answers exactly as before the storm."""
+    probe = dict(model=model_name, messages=CHAT_PROMPTS[1], max_tokens=24, temperature=0)
+    unary = distinct_requests(model_name)[::2]  # 8 greedy requests, chat and completions
+
+    def greedy() -> str:
+        client = openai.OpenAI(base_url=idle_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        return client.chat.completions.create(**probe).choices[0].message.content
+
+    async def first_token_then_leave(client: httpx.AsyncClient, i: int) -> bool:
+        chat = i % 2 == 0
+        body = {"model": model_name, "max_tokens": 512, "ignore_eos": True, "stream": True, "temperature": 0.8,
+                "seed": i, **({"messages": CHAT_PROMPTS[i % 8]} if chat else {"prompt": RAW_PROMPTS[i % 8]})}
+        async with client.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and ('"content":"' in line or '"text":"' in line):
+                    return True  # the first token: leave without reading on
+        return False
+
+    async def storm() -> tuple[list[bool], list[tuple[str, str]]]:
+        limits = httpx.Limits(max_connections=STORM_STREAMS + len(unary))
+        async with httpx.AsyncClient(base_url=idle_server.url, timeout=240, limits=limits) as http, \
+                openai.AsyncOpenAI(base_url=idle_server.url + "/v1", api_key="unused", max_retries=0,
+                                   timeout=240, http_client=httpx.AsyncClient(limits=limits)) as client:
+            leavers = [asyncio.create_task(first_token_then_leave(http, i)) for i in range(STORM_STREAMS)]
+            stayers = [asyncio.create_task(whole_text(client, kind, kwargs)) for kind, kwargs in unary]
+            return list(await asyncio.gather(*leavers)), list(await asyncio.gather(*stayers))
+
+    before = greedy()
+    left, answers = asyncio.run(storm())
+    assert all(left), f"{left.count(False)} streams ended before their first token"
+    assert all(finish in ("stop", "length") and text for text, finish in answers), answers
+    idle = idle_server.wait_idle(timeout_s=60)
+    assert (idle.num_running, idle.num_waiting, idle.kv_blocks_used) == (0, 0, 0)
+    assert greedy() == before
