@@ -67,7 +67,7 @@ class LimitsConfig:
     # Characters in one chat message's content, and in a text prompt.
     max_message_chars: int = 1 << 20
     # Characters in one stop string (their number is capped at 16 by SamplingParams).
-    max_stop_chars: int = 512
+    max_stop_chars: int = 1024
     # n x max_tokens when n > 1 (max_tokens unset: what is left of the context after the prompt).
     max_total_tokens: int = 65536
     # Entries in logit_bias.
