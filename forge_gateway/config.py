@@ -39,7 +39,7 @@ class GatewayConfig:
     # Characters in one stop string (the service holds back that much streamed text): 400.
     max_stop_chars: int = 1024
     # Completions per prompt (`n`): 400.
-    max_n: int = 128
+    max_n: int = 16
     # n x max_tokens x prompts, the tokens one request may ask for (when max_tokens is given): 400.
     max_n_tokens: int = 1 << 18
     # Entries in `logit_bias`: 400.

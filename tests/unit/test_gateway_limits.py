@@ -352,6 +352,6 @@ def test_limits_come_from_flags_and_forge_variables(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setenv("FORGE_MAX_PROMPTS", "7")
     config = parse_config(["--max-body-bytes", "1000", "--max-n-tokens", "99"])
-    assert (config.max_body_bytes, config.max_n_tokens, config.max_prompts, config.max_n) == (1000, 99, 7, 128)
+    assert (config.max_body_bytes, config.max_n_tokens, config.max_prompts, config.max_n) == (1000, 99, 7, 16)
     served = gateway_config(ServiceConfig(api_key="k"), 5)  # `forge serve`'s gateway reads them too
     assert (served.max_prompts, served.api_key, served.target) == (7, "k", "127.0.0.1:5")
