@@ -85,24 +85,34 @@ def generate(llm: Any, entries: list[dict[str, Any]], rows: list[dict[str, Any]]
     import jsonschema
 
     from forge_service import SamplingParams
+    from forge_service.errors import InvalidArgument
     from forge_service.structured import Constraint
     from forge_service.structured import llguidance_backend as backend
     from forge_service.structured.schema import close_objects
 
     backend.GRAMMAR_BUILDERS["json_schema"] = before_json_schema if policy == "before" else backend._json_schema
     llm.engine.runner.grammars.compiler.clear_cache()
-    chosen = [(e, r) for e, r in zip(entries, rows) if r["before" if policy == "before" else "after"] == "ok"]
-    params = []
-    for entry, _ in chosen:
+    compiler = llm.engine.runner.grammars.compiler
+    chosen, params = [], []
+    for entry, row in zip(entries, rows):
+        if row["before" if policy == "before" else "after"] != "ok":
+            continue
         schema = close_objects(entry["schema"]) if policy == "after_strict" else entry["schema"]
-        params.append(SamplingParams(temperature=0, max_tokens=max_tokens,
-                                     constraint=Constraint("json_schema", json.dumps(schema))))
+        constraint = Constraint("json_schema", json.dumps(schema))
+        try:  # closing a schema's objects can make it unsatisfiable: refused, so not valid
+            compiler.compile(constraint)
+        except InvalidArgument as e:
+            row[f"{policy}_error"] = f"refused: {str(e)[:100]}"
+            continue
+        chosen.append((entry, row))
+        params.append(SamplingParams(temperature=0, max_tokens=max_tokens, constraint=constraint))
     try:
         outputs = llm.chat([chat(e) for e, _ in chosen], params)
     finally:
         backend.GRAMMAR_BUILDERS["json_schema"] = backend._json_schema
     for row in rows:
         row[f"{policy}_valid"] = False
+    print(f"{policy}: {len(chosen)} schemas generated", flush=True)
     for (entry, row), out in zip(chosen, outputs):
         c = out.outputs[0]
         row[f"{policy}_finish"] = c.finish_reason
@@ -141,6 +151,8 @@ def main() -> None:
         policies = ["before", "after", "after_strict"]
         for policy in policies:
             generate(llm, entries, rows, policy, args.max_tokens)
+            valid = sum(r[f"{policy}_valid"] for r in rows)
+            print(f"{policy}: valid and stopped {valid}/{len(rows)}", flush=True)
     n = len(rows)
     summary = {"schemas": n,
                "accepted_before_pct": 100 * sum(r["before"] == "ok" for r in rows) / n,
