@@ -41,6 +41,11 @@ def _stopping(req: _Common, max_tokens: int | None) -> pb.StoppingParameters:
     return stopping
 
 
+def _speculative(req: _Common) -> dict[str, Any]:
+    n = req.num_speculative_tokens
+    return {} if n is None else {"num_speculative_tokens": n}
+
+
 def constraint(req: _Common) -> dict[str, Any]:
     """The structured-output constraint as GenerateRequest fields (the `constraint` oneof); {} for none.
     Schemas travel as JSON text; the service compiles and validates them."""
@@ -68,7 +73,7 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> pb.GenerateRequ
         model=req.model, request_id=request_id, chat=pb.ChatInput(messages=messages), n=req.n,
         sampling=_sampling(req), stopping=_stopping(req, req.output_limit),
         logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, **constraint(req),
-        **tools.request_fields(req.tools, req.tool_choice, req.parallel_tool_calls))
+        **tools.request_fields(req.tools, req.tool_choice, req.parallel_tool_calls), **_speculative(req))
 
 
 def completion_requests(req: CompletionRequest, request_id: str) -> list[pb.GenerateRequest]:
@@ -79,7 +84,8 @@ def completion_requests(req: CompletionRequest, request_id: str) -> list[pb.Gene
         message = pb.GenerateRequest(
             model=req.model, request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}", n=req.n,
             sampling=_sampling(req), stopping=_stopping(req, req.max_tokens),
-            logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, **constraint(req))
+            logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, **constraint(req),
+            **_speculative(req))
         if isinstance(prompt, str):
             message.text = prompt
         else:
@@ -95,10 +101,24 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else -9999.0
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+_USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens", "draft_tokens", "accepted_draft_tokens")
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, draft_tokens: int = 0,
+          accepted_draft_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object. Speculative decoding's drafted tokens are reported as OpenAI reports
+    predicted outputs: accepted ones (completion tokens that took no step of their own) and
+    rejected ones (computed, then dropped)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted_draft_tokens,
+                                          "rejected_prediction_tokens": draft_tokens - accepted_draft_tokens}}
+
+
+def _usage_of(messages: list[Any]) -> dict[str, Any]:
+    """usage() summed over the `usage` of several responses or stream finals."""
+    return usage(*(sum(getattr(m.usage, f) for m in messages) for f in _USAGE_FIELDS))
 
 
 def finish_reason(message: Any) -> str:
@@ -153,7 +173,7 @@ def chat_completion(resp: pb.GenerateResponse, response_id: str, created: int, m
     } for c in resp.choices]
     return {"id": response_id, "object": "chat.completion", "created": created, "model": resp.model or model,
             "choices": choices, "system_fingerprint": None,
-            "usage": usage(resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.cached_tokens)}
+            "usage": _usage_of([resp])}
 
 
 def _message(choice: pb.Choice) -> dict[str, Any]:
@@ -171,10 +191,9 @@ def text_completion(resps: list[pb.GenerateResponse], response_id: str, created:
             choices.append({"index": p * n + c.index, "text": c.text,
                             "logprobs": completion_logprobs(c.logprobs, 0) if want_logprobs else None,
                             "finish_reason": finish_reason(c), "stop_reason": _stop_reason(c)})
-    total = [sum(getattr(r.usage, f) for r in resps) for f in ("prompt_tokens", "completion_tokens", "cached_tokens")]
     return {"id": response_id, "object": "text_completion", "created": created,
             "model": (resps[0].model if resps else "") or model, "choices": choices,
-            "system_fingerprint": None, "usage": usage(*total)}
+            "system_fingerprint": None, "usage": _usage_of(resps)}
 
 
 # ---- streams -------------------------------------------------------------------------
@@ -191,6 +210,7 @@ class _Stream:
         self.prompt_tokens: dict[int, int] = {}
         self.cached_tokens: dict[int, int] = {}
         self.completion_tokens = 0
+        self.draft_tokens = self.accepted_draft_tokens = 0
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {"id": self.response_id, "object": self.object_name, "created": self.created, "model": self.model,
@@ -210,12 +230,15 @@ class _Stream:
         self.prompt_tokens[prompt] = final.usage.prompt_tokens
         self.cached_tokens[prompt] = final.usage.cached_tokens
         self.completion_tokens += final.usage.completion_tokens
+        self.draft_tokens += final.usage.draft_tokens
+        self.accepted_draft_tokens += final.usage.accepted_draft_tokens
         return [self.chunk([self._final(prompt * self.n + final.index, final)])]
 
     def end(self) -> list[dict[str, Any]]:
         if not self.include_usage:
             return []
-        total = usage(sum(self.prompt_tokens.values()), self.completion_tokens, sum(self.cached_tokens.values()))
+        total = usage(sum(self.prompt_tokens.values()), self.completion_tokens, sum(self.cached_tokens.values()),
+                      self.draft_tokens, self.accepted_draft_tokens)
         return [{**self.chunk([]), "usage": total}]
 
     def _delta(self, index: int, chunk: pb.StreamChunk) -> dict[str, Any] | None:

@@ -100,6 +100,8 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Speculative decoding where the server runs it: the most tokens drafted per step; 0 opts out.
+    num_speculative_tokens: int | None = Field(None, ge=0, le=64)
     # Structured output: OpenAI's response_format, and vLLM's guided_* extensions (at most one).
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | bool | str | None = None  # a JSON Schema (object or JSON text)

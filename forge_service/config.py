@@ -49,11 +49,37 @@ class StructuredConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    # "ngram": prompt-lookup drafts verified in the normal step (forge_service/speculative); "off".
+    speculative: str = "off"
+    spec_max_draft: int = 8  # the most tokens one request drafts in one step
+    spec_ngram_min: int = 2  # the shortest suffix matched against the request's own tokens
+    spec_ngram_max: int = 4  # the longest, tried first
+    # The most drafted tokens in one step over all requests: past a batch of a few, a step is no
+    # longer bound by reading the weights, and verifying drafts costs as much as new tokens.
+    spec_max_step_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.speculative not in ("ngram", "off"):
+            raise ValueError(f"speculative must be 'ngram' or 'off', got {self.speculative!r}")
+        if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
+            raise ValueError(f"need 1 <= spec_ngram_min <= spec_ngram_max, got {self.spec_ngram_min}, "
+                             f"{self.spec_ngram_max}")
+        if self.spec_max_draft < 0 or self.spec_max_step_tokens < 0:
+            raise ValueError("spec_max_draft and spec_max_step_tokens must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative == "ngram" and self.spec_max_draft > 0 and self.spec_max_step_tokens > 0
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     structured: StructuredConfig = StructuredConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     # torch intra-op threads on CPU; 0 keeps torch's default.
     num_threads: int = 0
 
@@ -174,5 +200,6 @@ def engine_config_from_env(env: Mapping[str, str] | None = None, **overrides: An
         cache=from_env(CacheConfig, env, **pick(CacheConfig)),
         scheduler=from_env(SchedulerConfig, env, **pick(SchedulerConfig)),
         structured=from_env(StructuredConfig, env, **pick(StructuredConfig)),
+        speculative=from_env(SpeculativeConfig, env, **pick(SpeculativeConfig)),
         num_threads=overrides.get("num_threads"),
     )

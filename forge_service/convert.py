@@ -64,6 +64,7 @@ def sampling_params(request: pb.GenerateRequest, setup: ToolSetup | None = None)
         include_stop_str_in_output=t.include_stop_str_in_output,
         skip_special_tokens=t.skip_special_tokens if t.HasField("skip_special_tokens") else True,
         constraint=setup.constraint() if setup is not None and setup.calls_allowed else constraint(request),
+        num_speculative_tokens=request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None,
     )
 
 
@@ -179,7 +180,8 @@ class StreamEncoder:
     def _final(self, output: Any, completion: Any, count: int, reason: str | None, calls: list[Any]
                ) -> pb.StreamFinal:
         usage = pb.Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=count,
-                         cached_tokens=output.num_cached_tokens)
+                         cached_tokens=output.num_cached_tokens, draft_tokens=completion.num_drafted_tokens,
+                         accepted_draft_tokens=completion.num_accepted_tokens)
         final = pb.StreamFinal(index=completion.index, finish_reason=FINISH_REASONS.get(reason or "", 0),
                                usage=usage, tool_calls=[_tool_call(c) for c in calls])
         _matched_stop(final, completion.stop_reason)
@@ -194,6 +196,8 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     tool_calls: list[Any] = field(default_factory=list)
+    draft_tokens: int = 0  # speculative decoding, cumulative in every delta
+    accepted_draft_tokens: int = 0
 
 
 class GenerateAccumulator:
@@ -215,6 +219,8 @@ class GenerateAccumulator:
             choice.text.append(self.processor.feed(completion.index, completion.text).text)
             choice.token_ids.extend(completion.token_ids)
             choice.logprobs.extend(position_logprobs(completion.logprobs))
+            choice.draft_tokens = max(choice.draft_tokens, completion.num_drafted_tokens)
+            choice.accepted_draft_tokens = max(choice.accepted_draft_tokens, completion.num_accepted_tokens)
             if completion.finish_reason is not None:
                 last, calls, reason = self.processor.finish(completion.index, completion.finish_reason)
                 choice.text.append(last.text)
@@ -231,5 +237,7 @@ class GenerateAccumulator:
             _matched_stop(choice, c.stop_reason)
             choices.append(choice)
         usage = pb.Usage(prompt_tokens=self.num_prompt_tokens, cached_tokens=self.num_cached_tokens,
-                         completion_tokens=sum(len(c.token_ids) for c in self.choices.values()))
+                         completion_tokens=sum(len(c.token_ids) for c in self.choices.values()),
+                         draft_tokens=sum(c.draft_tokens for c in self.choices.values()),
+                         accepted_draft_tokens=sum(c.accepted_draft_tokens for c in self.choices.values()))
         return pb.GenerateResponse(request_id=self.request_id, model=self.model, choices=choices, usage=usage)

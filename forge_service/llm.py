@@ -4,7 +4,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Sequence, Union
 
-from forge_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from forge_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from forge_service.engine.engine import LLMEngine
 from forge_service.engine.output_types import CompletionOutput, RequestOutput
 from forge_service.engine.request import SamplingParams
@@ -19,13 +19,18 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", *, max_model_len: int | None = None,
                  block_size: int = 16, kv_cache_bytes: int = 1 << 30, num_blocks: int | None = None,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64, num_threads: int = 0,
-                 enable_prefix_caching: bool = True, device: str = "cpu") -> None:
+                 enable_prefix_caching: bool = True, device: str = "cpu", speculative: str = "off",
+                 spec_max_draft: int = 8, spec_ngram_min: int = 2, spec_ngram_max: int = 4,
+                 spec_max_step_tokens: int = 16) -> None:
         self.engine = LLMEngine(EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, device=device),
             cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes, num_blocks=num_blocks,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs, max_waiting=0),
+            speculative=SpeculativeConfig(speculative=speculative, spec_max_draft=spec_max_draft,
+                                          spec_ngram_min=spec_ngram_min, spec_ngram_max=spec_ngram_max,
+                                          spec_max_step_tokens=spec_max_step_tokens),
             num_threads=num_threads,
         ))
         self.tokenizer = self.engine.tokenizer
@@ -88,5 +93,7 @@ def _accumulate(total: RequestOutput, delta: RequestOutput) -> None:
         if d.logprobs is not None:
             o.logprobs = (o.logprobs or []) + d.logprobs
             o.cumulative_logprob = d.cumulative_logprob
+        o.num_drafted_tokens = max(o.num_drafted_tokens, d.num_drafted_tokens)
+        o.num_accepted_tokens = max(o.num_accepted_tokens, d.num_accepted_tokens)
         if d.finish_reason is not None:
             o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason

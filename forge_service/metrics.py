@@ -67,6 +67,10 @@ class ServiceMetrics:
         self.finished = counter("forge_requests_finished", "Completions finished, by reason: stop, length, "
                                 "abort (cancelled, deadline, refused), error (engine failure).",
                                 _MODEL + ["finished_reason"])
+        self.spec_draft = counter("forge_spec_decode_draft_tokens", "Speculative decoding: tokens drafted "
+                                  "and verified, over finished completions.")
+        self.spec_accepted = counter("forge_spec_decode_accepted_tokens", "Speculative decoding: drafted "
+                                     "tokens the model accepted, over finished completions.")
         self.rejected = counter("forge_requests_rejected", "Requests refused because the waiting queue "
                                 "was full (RESOURCE_EXHAUSTED).")
         self.ttft = histogram("forge_time_to_first_token_seconds", "From queued in the engine to the "
@@ -138,6 +142,7 @@ class EngineMetrics:
         self._prompt_tokens, self._generation_tokens = m.prompt_tokens.labels(name), m.generation_tokens.labels(name)
         self._prefix_queried, self._prefix_hits = m.prefix_queried.labels(name), m.prefix_hits.labels(name)
         self._preemptions = m.preemptions.labels(name)
+        self._spec_draft, self._spec_accepted = m.spec_draft.labels(name), m.spec_accepted.labels(name)
         self._finished = {reason: m.finished.labels(name, reason) for reason in FINISH_REASONS}
         self._ttft, self._itl, self._e2e = m.ttft.labels(name), m.itl.labels(name), m.e2e.labels(name)
         self._queue, self._prefill = m.queue_time.labels(name), m.prefill_time.labels(name)
@@ -179,6 +184,8 @@ class EngineMetrics:
         if times.first_token is not None and times.last_token is not None:
             self._decode.observe(times.last_token - times.first_token)
         self._output_length.observe(len(request.output_token_ids))
+        self._spec_draft.inc(request.num_drafted_tokens)
+        self._spec_accepted.inc(request.num_accepted_tokens)
 
     def step(self, batch_size: int, num_tokens: int, duration_s: float) -> None:
         self._step_time.labels(self._name, batch_size_label(batch_size)).observe(duration_s)

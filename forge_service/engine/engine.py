@@ -87,7 +87,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, ckpt.arch, config.cache, self.dtype)
         self.runner.startup(config.scheduler.max_num_seqs, self.max_model_len)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative)
         self.model_name = config.model.served_model_name or _name_from_path(path)
         self.eos_token_ids = tuple(ckpt.arch.eos_token_ids or self.tokenizer.eos_token_ids)
         # Structured output: masks are as wide as the logits; the backend is built on first compile.
@@ -205,10 +205,11 @@ class LLMEngine:
         sampled = self._execute(out, deltas)
         now = time.monotonic()
         for chunk in out.chunks:
-            s = sampled.get(chunk.request.request_id)
+            run = sampled.get(chunk.request.request_id)
             try:
-                if self.scheduler.advance(chunk, None if s is None else s.token_id):
-                    self._emit(chunk.request, s, deltas, now)
+                got = self.scheduler.advance(chunk, None if run is None else [s.token_id for s in run])
+                if got:
+                    self._emit_run(chunk.request, run[:got], deltas, now)
             except Exception as error:  # this request's output processing: it fails alone
                 self._fail(chunk.request, error, deltas)
         self.observer.step(len(out.chunks), out.num_tokens, time.monotonic() - started)
@@ -222,12 +223,12 @@ class LLMEngine:
                 self.observer.scheduled(chunk.request, now)
                 chunk.request.times.scheduled = now
 
-    def _execute(self, out: SchedulerOutput, deltas: dict[str, RequestOutput]) -> dict[str, SampledToken]:
+    def _execute(self, out: SchedulerOutput, deltas: dict[str, RequestOutput]) -> dict[str, list[SampledToken]]:
         """Run the step's batch. If it raises, retry without the newest admissions, then in halves,
         until each failure is pinned to one request; only those fail. A failed run leaves no
         request's state advanced (the runner restores generators and grammar matchers; the KV it
         wrote lies in slots that are not yet counted as computed)."""
-        sampled: dict[str, SampledToken] = {}
+        sampled: dict[str, list[SampledToken]] = {}
         old = len(out.chunks) - out.num_admitted
         split = old if 0 < old < len(out.chunks) else len(out.chunks) // 2
         for chunk, error in self._run_isolating(out.chunks, split, sampled):
@@ -235,15 +236,18 @@ class LLMEngine:
         return sampled
 
     def _run_isolating(self, chunks: list[ScheduledChunk], split: int,
-                       sampled: dict[str, SampledToken]) -> list[tuple[ScheduledChunk, Exception]]:
+                       sampled: dict[str, list[SampledToken]]) -> list[tuple[ScheduledChunk, Exception]]:
         try:
-            sampled.update((s.request_id, s) for s in self.runner.execute(SchedulerOutput(chunks=chunks)))
-            return []
+            tokens = self.runner.execute(SchedulerOutput(chunks=chunks))
         except Exception as error:
             if len(chunks) == 1:
                 return [(chunks[0], error)]
             log.warning("a step over %d requests failed (%s: %s); retrying in parts to find the cause",
                         len(chunks), type(error).__name__, error)
+        else:
+            for s in tokens:
+                sampled.setdefault(s.request_id, []).append(s)
+            return []
         return (self._run_isolating(chunks[:split], len(chunks[:split]) // 2, sampled)
                 + self._run_isolating(chunks[split:], len(chunks[split:]) // 2, sampled))
 
@@ -291,6 +295,28 @@ class LLMEngine:
             parent = self.parents.pop(parent_id)
             self._end_parent(parent, None, deltas, f"internal engine error: the request was lost [error id {error_id}]")
 
+    def _emit_run(self, request: Request, run: list[SampledToken], deltas: dict[str, RequestOutput],
+                  now: float) -> None:
+        """Emit the tokens a request got this step (several after an accepted draft) as one delta.
+
+        Tokens go through output processing one by one, the request shown running before its
+        last, so a stop string inside the run ends the output at its exact token; the tokens
+        after it are dropped from the request too."""
+        final = request.status, request.stop_reason
+        parent_id = request.parent_id
+        before = len(deltas[parent_id].outputs) if parent_id in deltas else 0
+        for i, s in enumerate(run):
+            last = i == len(run) - 1
+            request.status, request.stop_reason = final if last else (RequestStatus.RUNNING, None)
+            self._emit(request, s, deltas, now)
+            if not last and (request.status.finished or request.request_id not in self.processors):
+                if not request.status.finished:  # aborted meanwhile: it ends as the abort left it
+                    request.status, request.stop_reason = final
+                del request.output_token_ids[len(request.output_token_ids) - (len(run) - 1 - i):]
+                break
+        if parent_id in deltas:
+            _merge_deltas(deltas[parent_id].outputs, before)
+
     def _emit(self, request: Request, s, deltas: dict[str, RequestOutput], now: float) -> None:
         processor = self.processors.get(request.request_id)
         parent = self.parents.get(request.parent_id)
@@ -300,6 +326,7 @@ class LLMEngine:
             self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ABORTED)
             request.status, request.stop_reason = RequestStatus.FINISHED_ABORTED, None
         delta, matched = processor.process(request, s)
+        delta.num_drafted_tokens, delta.num_accepted_tokens = request.num_drafted_tokens, request.num_accepted_tokens
         self._observe_token(request, now)
         if matched is not None:
             self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
@@ -335,6 +362,23 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting,
                            self.kv.num_used_blocks, self.runner.num_blocks)
+
+
+def _merge_deltas(outputs: list[CompletionOutput], start: int) -> None:
+    """Fold outputs[start:] (one completion's deltas of one step, in order) into one."""
+    if len(outputs) - start < 2:
+        return
+    merged = outputs[start]
+    for delta in outputs[start + 1:]:
+        merged.text += delta.text
+        merged.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            merged.logprobs = (merged.logprobs or []) + delta.logprobs
+            merged.cumulative_logprob = delta.cumulative_logprob
+        merged.finish_reason, merged.stop_reason = delta.finish_reason, delta.stop_reason
+        merged.times = delta.times or merged.times
+        merged.num_drafted_tokens, merged.num_accepted_tokens = delta.num_drafted_tokens, delta.num_accepted_tokens
+    del outputs[start + 1:]
 
 
 def _name_from_path(path: str) -> str:

@@ -32,6 +32,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # On a completion's last delta: when it was queued, scheduled, got its first token, finished.
     times: RequestTimes | None = None
+    # Speculative decoding so far (cumulative, not a delta): tokens drafted and accepted.
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

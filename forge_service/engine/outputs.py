@@ -14,12 +14,15 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     block_ids: list[int]
+    # Speculative tokens to verify after the request's last token: they are the chunk's last
+    # len(draft) tokens (counted in num_tokens) and each gets a logits row.
+    draft: list[int] = field(default_factory=list)
     # True when this chunk reaches the last known token, so a new token is sampled. Fixed at
     # scheduling time: after update() appends the sampled token the request has grown past it.
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.end == self.request.num_tokens
+        self.samples = self.end - len(self.draft) == self.request.num_tokens
 
     @property
     def end(self) -> int:

@@ -38,6 +38,9 @@ class SamplingParams:
     # grammar). Compiled by the engine, not by validate(); with it, EOS ends the output exactly
     # when the text is complete, even with ignore_eos.
     constraint: Constraint | None = None
+    # Speculative decoding: the most tokens to draft per step for this request; 0 turns it off,
+    # None leaves the server's setting.
+    num_speculative_tokens: int | None = None
 
     MAX_LOGPROBS = 20
 
@@ -70,6 +73,8 @@ class SamplingParams:
              f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (len(self.stop) <= 16, f"at most 16 stop strings, got {len(self.stop)}"),
+            (self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 64,
+             f"num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -143,6 +148,9 @@ class Request:
     # The token (id) or stop string that ended the request, when one did.
     stop_reason: int | str | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
+    # Speculative decoding: tokens drafted for this request, and how many of them were accepted.
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from collections import deque
 
-from forge_service.config import SchedulerConfig
+from forge_service.config import SchedulerConfig, SpeculativeConfig
 from forge_service.engine.outputs import ScheduledChunk, SchedulerOutput
 from forge_service.engine.request import Request, RequestStatus
 from forge_service.errors import InvalidArgument
 from forge_service.kv_cache.manager import KVCacheManager
+from forge_service.speculative.proposer import NgramProposer
 
 
 class Scheduler:
@@ -25,9 +26,13 @@ class Scheduler:
     hold blocks, so the oldest one always makes progress.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.speculative = speculative or SpeculativeConfig()
+        # Drafts for decodes (speculative decoding), None when it is off.
+        self.proposer = NgramProposer(self.speculative) if self.speculative.enabled else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
@@ -77,22 +82,47 @@ class Scheduler:
         """Advance the scheduled requests; append sampled tokens. Returns requests that got a token."""
         return [c.request for c in out.chunks if self.advance(c, sampled.get(c.request.request_id))]
 
-    def advance(self, chunk: ScheduledChunk, token_id: int | None) -> bool:
-        """Mark one chunk computed and append its sampled token (None when it does not sample).
-        Returns whether the request got a token; False also when it finished (aborted, stop
-        string, failed) since schedule()."""
+    def advance(self, chunk: ScheduledChunk, token_ids: int | list[int] | None) -> int:
+        """Mark one chunk computed and append its sampled tokens (None when it does not sample):
+        one, or for a chunk with a draft its accepted draft tokens and the token after them.
+        Returns how many tokens the request got, fewer when one of them ended it (stop token,
+        max_tokens: nothing past it is kept); 0 also when it finished (aborted, stop string,
+        failed) since schedule()."""
         request = chunk.request
         if self._requests.get(request.request_id) is not request:
-            return False
+            return 0
         assert request.num_computed_tokens == chunk.start, (request.request_id, chunk.start)
-        samples = chunk.samples  # before the new token moves num_tokens
-        request.num_computed_tokens += chunk.num_tokens
+        if not chunk.samples:
+            request.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids_slice)
+            return 0
+        assert token_ids is not None, f"no token sampled for {request.request_id}"
+        tokens = [token_ids] if isinstance(token_ids, int) else token_ids
+        drafted, accepted = len(chunk.draft), len(tokens) - 1
+        assert 0 <= accepted <= drafted and tokens[:accepted] == chunk.draft[:accepted], (request.request_id, tokens)
+        if drafted:
+            request.num_drafted_tokens += drafted
+            request.num_accepted_tokens += accepted
+            if self.proposer is not None:
+                self.proposer.update(request.request_id, drafted, accepted)
+        appended = 0
+        for token_id in tokens:
+            request.output_token_ids.append(token_id)
+            appended += 1
+            if request.check_stop():
+                break
+        # The KV of the rejected draft tokens (and of any past a stop) is not computed: its slots
+        # are written over later and blocks held only for them go back to the pool.
+        request.num_computed_tokens = request.num_tokens - 1
+        if drafted:
+            self.kv.trim(request.request_id, request.num_computed_tokens)
         self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids_slice)
-        if not samples:
-            return False
-        assert token_id is not None, f"no token sampled for {request.request_id}"
-        self._append_token(request, token_id)
-        return True
+        # The next step writes the last token's KV; if the cache cannot hold it, stop here.
+        if not request.status.finished and not self.can_ever_fit(request.num_tokens):
+            request.status = RequestStatus.FINISHED_LENGTH
+        if request.status.finished:
+            self._remove(request, self.running)
+        return appended
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request (abort, stop string): dequeue it, free its blocks. None if unknown."""
@@ -106,6 +136,7 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
+        drafts_left = self.speculative.spec_max_step_tokens
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -113,10 +144,27 @@ class Scheduler:
                 block_ids = self._allocate_or_preempt(request, n, out)
                 if block_ids is None:
                     break  # `request` was the newest and preempted itself
-                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n, block_ids))
-                budget -= n
+                draft = []
+                if n == 1 and self.proposer is not None:
+                    draft, block_ids = self._draft(request, min(budget - 1, drafts_left), block_ids)
+                    drafts_left -= len(draft)
+                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n + len(draft), block_ids, draft))
+                budget -= n + len(draft)
             i += 1
         return budget
+
+    def _draft(self, request: Request, limit: int, block_ids: list[int]) -> tuple[list[int], list[int]]:
+        """A draft to verify after the request's last token, with the blocks to hold it; no draft
+        when the pool is short (drafts never preempt)."""
+        # The token after an accepted draft comes on top: never draft past max_tokens.
+        limit = min(limit, request.max_output_tokens - len(request.output_token_ids) - 1)
+        draft = self.proposer.propose(request, limit)
+        if not draft:
+            return [], block_ids
+        extended = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + 1 + len(draft))
+        if extended is None:
+            return [], block_ids
+        return draft, extended
 
     def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> list[int] | None:
         """Blocks for n more tokens of `request`, preempting the newest running requests as needed."""
@@ -175,17 +223,11 @@ class Scheduler:
         request.status = RequestStatus.FINISHED_ERROR
         out.failed.append((request, error))
 
-    def _append_token(self, request: Request, token_id: int) -> None:
-        request.output_token_ids.append(token_id)
-        # The next step writes this token's KV; if the cache cannot hold it, stop here.
-        if not request.check_stop() and not self.can_ever_fit(request.num_tokens):
-            request.status = RequestStatus.FINISHED_LENGTH
-        if request.status.finished:
-            self._remove(request, self.running)
-
     def _remove(self, request: Request, queue: list[Request] | deque[Request]) -> None:
         del self._requests[request.request_id]
         # By identity: Request is a dataclass, so == would compare every field.
         index = next(i for i, r in enumerate(queue) if r is request)
         del queue[index]
         self.kv.free(request.request_id)
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)

@@ -55,6 +55,20 @@ class KVCacheManager:
         table.extend(new_blocks)
         return list(table)
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Shrink the request's table to the blocks that hold its first `num_tokens` tokens (after
+        a rejected speculative draft); returns how many blocks went back to the pool. Blocks
+        registered in the prefix cache hold only computed tokens and are never among them."""
+        table = self._tables.get(request_id)
+        keep = self.blocks_needed(num_tokens)
+        if not table or len(table) <= keep:
+            return 0
+        assert keep >= len(self._keys.get(request_id, ())), (request_id, keep)
+        extra = table[keep:]
+        del table[keep:]
+        self.pool.free(reversed(extra))
+        return len(extra)
+
     def block_ids(self, request_id: str) -> list[int]:
         return list(self._tables.get(request_id, ()))
 

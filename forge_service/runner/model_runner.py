@@ -31,7 +31,7 @@ def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int
 
 
 class ModelRunner:
-    """Owns the K/V tensors, the per-request seeded generators and the sampler."""
+    """Owns the K/V tensors and the sampler."""
 
     def __init__(self, model, arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype) -> None:
         self.model = model
@@ -48,7 +48,6 @@ class ModelRunner:
             for _ in range(arch.num_layers)
         ]
         self.sampler: Sampler = self.backend.sampler()
-        self.generators: dict[str, torch.Generator] = {}
         self.grammars: MatcherSet | None = None  # structured output's matchers; set by the engine
 
     def startup(self, max_batch: int, max_len: int) -> None:
@@ -61,22 +60,29 @@ class ModelRunner:
         return self.model.forward(input_ids, positions, self.kv_caches, meta, logit_rows)
 
     def release(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
         if self.grammars is not None:
             self.grammars.release(request_id)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
-        """Run one step; returns a token for each chunk that samples, in chunk order."""
-        decodes = [c for c in out.chunks if c.num_tokens == 1]
-        prefills = [c for c in out.chunks if c.num_tokens > 1]
+        """Run one step; returns a token for each chunk that samples, in chunk order. A chunk with a
+        draft gets its accepted draft tokens first, then the one the model chose after them."""
+        if self.grammars is not None:
+            self._cut_drafts(out.chunks)
+        # A decode with a draft is one decode row per verified token: row i attends to the context
+        # and the draft before it, whose KV this step writes before any row attends. Verification
+        # thus runs the kernels a plain decode runs (the fused decode call included), and each
+        # row's logits are those a plain decode at its position would get.
+        decodes = [c for c in out.chunks if c.num_tokens == 1 + len(c.draft)]
+        prefills = [c for c in out.chunks if c.num_tokens > 1 + len(c.draft)]
         ordered = decodes + prefills  # decodes first: they are attended as one padded batch
         input_ids, positions, slots, logit_rows, tables = self._flat_inputs(ordered)
-        meta = AttentionMetadata(slot_mapping=slots, block_size=self.block_size, num_decode_tokens=len(decodes))
+        num_decode_rows = sum(c.num_tokens for c in decodes)
+        meta = AttentionMetadata(slot_mapping=slots, block_size=self.block_size, num_decode_tokens=num_decode_rows)
         if decodes:
             meta.decode_block_tables, meta.decode_mask, meta.decode_lens = self._decode_tables(
                 decodes, tables[:len(decodes)])
-        meta.prefills = self._prefill_seqs(prefills, len(decodes))
+        meta.prefills = self._prefill_seqs(prefills, num_decode_rows)
         meta = self.backend.prepare(meta)  # the backend's form, on its device, once per step
         input_ids, positions = input_ids.to(self.device), positions.to(self.device)
         sampling = [c for c in ordered if c.samples]
@@ -85,18 +91,22 @@ class ModelRunner:
         if not sampling:
             return []
         sampled = self._sample(logits, sampling)
-        by_id = {s.request_id: s for s in sampled}
-        return [by_id[c.request.request_id] for c in out.chunks if c.samples]
+        by_id: dict[str, list[SampledToken]] = {}
+        for s in sampled:
+            by_id.setdefault(s.request_id, []).append(s)
+        return [s for c in out.chunks if c.samples for s in by_id[c.request.request_id]]
 
     def _flat_inputs(self, chunks: list[ScheduledChunk]):
         ids: list[int] = []
         pos: list[int] = []
         logit_rows: list[int] = []
         for c in chunks:
-            ids.extend(c.request.token_ids_slice(c.start, c.end))
+            d = len(c.draft)
+            ids.extend(c.request.token_ids_slice(c.start, c.end - d))
+            ids.extend(c.draft)
             pos.extend(range(c.start, c.end))
-            if c.samples:
-                logit_rows.append(len(ids) - 1)
+            if c.samples:  # the last known token's row, then one per draft token
+                logit_rows.extend(range(len(ids) - 1 - d, len(ids)))
         positions = torch.tensor(pos)
         tables = self._block_tables(chunks)
         # slot of each new token: block_table[row, pos // bs] * bs + pos % bs
@@ -119,8 +129,11 @@ class ModelRunner:
         # tables: the decode rows of the step's block tables (padded with 0). Keep only the blocks
         # that hold context: a table may already own a block for the next token.
         width = max(-(-c.end // self.block_size) for c in decodes)
+        rows = [c.num_tokens for c in decodes]
+        if max(rows) > 1:  # verified drafts: one row per token, each with the chunk's table
+            tables = torch.repeat_interleave(tables, torch.tensor(rows), dim=0)
         tables = tables[:, :width].contiguous()  # [D, W], as every layer's attention reads it
-        lens = torch.tensor([c.end for c in decodes], dtype=torch.int32)
+        lens = torch.tensor([n for c in decodes for n in range(c.start + 1, c.end + 1)], dtype=torch.int32)
         mask = torch.arange(width * self.block_size).unsqueeze(0) < lens.unsqueeze(1)  # [D, Lmax]
         return tables, mask[:, None, None, :], lens
 
@@ -136,24 +149,31 @@ class ModelRunner:
             offset += c.num_tokens
         return seqs
 
-    def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
-        req = chunk.request
-        if req.seed is None:
-            return None
-        if req.request_id not in self.generators:
-            self.generators[req.request_id] = torch.Generator().manual_seed(req.seed)
-        return self.generators[req.request_id]
+    def _cut_drafts(self, chunks: list[ScheduledChunk]) -> None:
+        """Cut each constrained request's draft at its first token the grammar forbids, so that
+        every verified position has a mask (the cut tokens' slots stay allocated until the
+        scheduler trims them)."""
+        for c in chunks:
+            if not c.draft or (m := self.grammars.get(c.request.request_id)) is None:
+                continue
+            allowed = 0
+            for token in c.draft:
+                if not m.accept_token(token):
+                    break
+                allowed += 1
+            m.rollback(allowed)
+            if allowed < len(c.draft):
+                c.num_tokens -= len(c.draft) - allowed
+                c.draft = c.draft[:allowed]
 
     def _checkpoint(self, chunks: list[ScheduledChunk]) -> Callable[[], None]:
-        """Save what sampling advances per request (seeded generators, grammar matchers); the
-        returned function restores it, so that a step that fails leaves every request as it was."""
-        generators = [(g, g.get_state()) for c in chunks if (g := self._generator(c)) is not None]
+        """Save what sampling advances per request (grammar matchers); the returned function
+        restores it, so that a step that fails leaves every request as it was. Seeded noise is
+        keyed by (seed, position), so it has no state to save."""
         matchers = [] if self.grammars is None else [
             (m, m.num_tokens) for c in chunks if (m := self.grammars.get(c.request.request_id)) is not None]
 
         def restore() -> None:
-            for generator, state in generators:
-                generator.set_state(state)
             for matcher, num_tokens in matchers:
                 matcher.rollback(matcher.num_tokens - num_tokens)
         return restore
@@ -167,27 +187,77 @@ class ModelRunner:
             raise
 
     def _sample_rows(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[SampledToken]:
-        rows = [RowSampling(params=c.request.sampling_params, prompt_token_ids=c.request.prompt_token_ids,
-                            output_token_ids=c.request.output_token_ids, generator=self._generator(c),
-                            seed=c.request.seed)
-                for c in chunks]
+        """Sample every verified position, then keep each chunk's run: its draft tokens up to the
+        first one that differs from the token sampled at its position, and that sampled token.
+
+        Each position is sampled from the target's own distribution there (penalties and grammar
+        see the draft before it), so a draft token d is kept with probability p(d), and a rejected
+        position's token is distributed as p without d, renormalised: rejection sampling against
+        a point-mass draft, exactly. Greedy rows keep the longest prefix equal to the argmax."""
+        rows: list[RowSampling] = []
+        request_ids: list[str] = []
+        ahead: list[list[int]] = []  # the draft tokens before each row's position
+        for c in chunks:
+            req = c.request
+            for j in range(len(c.draft) + 1):
+                output = req.output_token_ids + c.draft[:j] if j else req.output_token_ids
+                rows.append(RowSampling(params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
+                                        output_token_ids=output, generator=_position_generator(
+                                            None if req.sampling_params.greedy else req.seed, len(output)),
+                                        seed=req.seed))
+                request_ids.append(req.request_id)
+                ahead.append(c.draft[:j])
         meta = SamplingMetadata.build(rows, logits.shape[-1], logits.device)
-        request_ids = [c.request.request_id for c in chunks]
         if self.grammars is not None:
-            meta.token_bitmask = self.grammars.bitmask(request_ids)  # None when no row is constrained
+            meta.token_bitmask = self.grammars.bitmask(request_ids, ahead)  # None when no row is constrained
         res = self.sampler(logits, meta)
         token_ids = res.token_ids.tolist()
-        refused = self.grammars.accept(request_ids, token_ids) if meta.token_bitmask is not None else ()
         results = []
-        for i, c in enumerate(chunks):
-            s = SampledToken(c.request.request_id, token_ids[i], refused=request_ids[i] in refused)
-            k = c.request.sampling_params.logprobs
-            if k is not None and res.logprobs is not None:
-                s.logprob = float(res.logprobs[i])
-                s.rank = int(res.ranks[i]) if res.ranks is not None else None
-                if k and res.top_ids is not None:
-                    s.top = list(zip(res.top_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist()))
-                else:
-                    s.top = []
-            results.append(s)
+        row = 0
+        for c in chunks:
+            kept = accepted_run(c.draft, token_ids[row:row + len(c.draft) + 1])
+            refused = ()
+            if meta.token_bitmask is not None:
+                refused = self.grammars.accept([c.request.request_id] * len(kept), kept)
+            for j, token in enumerate(kept):
+                results.append(self._sampled_token(c, row + j, token, res, c.request.request_id in refused))
+            row += len(c.draft) + 1
         return results
+
+    @staticmethod
+    def _sampled_token(c: ScheduledChunk, i: int, token_id: int, res, refused: bool) -> SampledToken:
+        s = SampledToken(c.request.request_id, token_id, refused=refused)
+        k = c.request.sampling_params.logprobs
+        if k is not None and res.logprobs is not None:
+            s.logprob = float(res.logprobs[i])
+            s.rank = int(res.ranks[i]) if res.ranks is not None else None
+            if k and res.top_ids is not None:
+                s.top = list(zip(res.top_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist()))
+            else:
+                s.top = []
+        return s
+
+
+def accepted_run(draft: list[int], sampled: list[int]) -> list[int]:
+    """The tokens a verified draft yields: `sampled[i]` is the token sampled at draft position i
+    (len(draft) + 1 of them, the last after the whole draft). Keeps the draft while it agrees with
+    the samples, then the first sample that differs (or the one after the whole draft)."""
+    n = 0
+    while n < len(draft) and sampled[n] == draft[n]:
+        n += 1
+    return sampled[:n + 1]
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _position_generator(seed: int | None, position: int) -> torch.Generator | None:
+    """The noise source of a seeded request's token at output `position`: a function of the two
+    alone, so a seeded request gets the same tokens however its positions are batched, verified
+    or recomputed (splitmix64 of the pair)."""
+    if seed is None:
+        return None
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return torch.Generator().manual_seed(z ^ (z >> 31))

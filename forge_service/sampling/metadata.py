@@ -17,7 +17,8 @@ class RowSampling:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    # Set for seeded requests; owned by the runner, its state carries over between steps.
+    # Set for seeded rows that sample: the noise of this row's position alone (the runner seeds it
+    # from the request's seed and the position), so the batch around it never changes its token.
     generator: torch.Generator | None = None
     # The request's seed, for samplers with counter-based noise keyed by (seed, step).
     seed: int | None = None

@@ -39,17 +39,36 @@ class MatcherSet:
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def bitmask(self, request_ids: Sequence[str]) -> torch.Tensor | None:
+    def bitmask(self, request_ids: Sequence[str], ahead: Sequence[Sequence[int]] | None = None) -> torch.Tensor | None:
         """int32 [N, ceil(V / 32)] for the N rows that sample, rows without a matcher all-allowed;
-        None when no row has a matcher."""
+        None when no row has a matcher. `ahead[i]`: draft tokens that row i's position follows
+        (speculative decoding); its mask is the matcher's after them, and the matcher is left
+        where it was."""
         if not self._matchers:
             return None
         rows = [(i, m) for i, rid in enumerate(request_ids) if (m := self._matchers.get(rid)) is not None]
         if not rows:
             return None
         bitmask = allocate_token_bitmask(len(request_ids), self.compiler.vocab_size)
-        self.compiler.fill_bitmasks([m for _, m in rows], bitmask, [i for i, _ in rows])
+        now = [(i, m) for i, m in rows if not (ahead and ahead[i])]
+        self.compiler.fill_bitmasks([m for _, m in now], bitmask, [i for i, _ in now])
+        for i, m in rows:
+            if ahead and ahead[i]:
+                self._fill_after(m, ahead[i], bitmask, i)
         return bitmask
+
+    def _fill_after(self, m: GrammarMatcher, tokens: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
+        accepted = 0
+        for token in tokens:
+            if not m.accept_token(token):
+                break
+            accepted += 1
+        try:
+            if accepted < len(tokens):  # drafts are cut at their first refused token before this
+                raise RuntimeError(f"draft token {tokens[accepted]} is outside the grammar")
+            self.compiler.fill_bitmasks([m], bitmask, [row])
+        finally:
+            m.rollback(accepted)
 
     def accept(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> set[str]:
         """Advance each constrained row by its sampled token; returns the ids whose token the

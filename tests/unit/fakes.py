@@ -37,6 +37,8 @@ class CompletionOutput:
     logprobs: list[list[Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass

@@ -109,6 +109,7 @@ class FakeForge(pb_grpc.ForgeServicer):
             self._finish(request, choice)
             response.usage.completion_tokens += len(text)
         response.usage.prompt_tokens, response.usage.cached_tokens = len(prompt), 2
+        response.usage.draft_tokens, response.usage.accepted_draft_tokens = 7, 5
         return response
 
     def Stream(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.StreamResponse]:
@@ -126,7 +127,8 @@ class FakeForge(pb_grpc.ForgeServicer):
                 if prompt == "midstream-fail":
                     context.abort(S.INTERNAL, "internal engine error [error id def456]")
             final = pb.StreamFinal(index=i, usage=pb.Usage(prompt_tokens=len(prompt), completion_tokens=len(text),
-                                                           cached_tokens=2))
+                                                           cached_tokens=2, draft_tokens=3 + i,
+                                                           accepted_draft_tokens=1 + i))
             self._finish(request, final)
             yield pb.StreamResponse(request_id=request.request_id, final=final)
 
@@ -223,7 +225,8 @@ def test_chat_completion_with_every_parameter(client: openai.OpenAI, fake: FakeF
         logprobs=True, top_logprobs=2,
         messages=[{"role": "developer", "content": "be brief"},
                   {"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}],
-        extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True})
+        extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True,
+                    "num_speculative_tokens": 3})
     assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
     assert [c.message.content for c in response.choices] == ["echo hello 0", "echo hello 1"]
     assert response.choices[0].message.role == "assistant" and response.choices[0].finish_reason == "stop"
@@ -232,8 +235,11 @@ def test_chat_completion_with_every_parameter(client: openai.OpenAI, fake: FakeF
     assert [(t.token, t.logprob) for t in token.top_logprobs] == [("A", -2.0), ("B", -3.0)]
     assert (response.usage.prompt_tokens, response.usage.completion_tokens, response.usage.total_tokens) == (5, 24, 29)
     assert response.usage.prompt_tokens_details.cached_tokens == 2
+    details = response.usage.completion_tokens_details  # speculative decoding's drafts, as OpenAI's predictions
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (5, 2)
 
     [sent] = fake.requests
+    assert sent.num_speculative_tokens == 3
     assert [(m.role, m.content) for m in sent.chat.messages] == [("system", "be brief"), ("user", "hello")]
     s, t = sent.sampling, sent.stopping
     assert (sent.n, s.seed, s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (
@@ -247,6 +253,7 @@ def test_chat_defaults_leave_optional_fields_unset(http: httpx.Client, fake: Fak
     http.post("/v1/chat/completions", json=chat_body(max_tokens=9)).raise_for_status()
     [sent] = fake.requests
     assert not sent.sampling.HasField("temperature") and not sent.sampling.HasField("seed")
+    assert not sent.HasField("num_speculative_tokens")
     assert sent.stopping.max_tokens == 9 and sent.n == 1 and not sent.logprobs
 
 
@@ -259,6 +266,8 @@ def test_chat_stream_shape_with_usage(http: httpx.Client, client: openai.OpenAI,
     assert [e["choices"][0]["delta"] for e in events[:2]] == [{"role": "assistant", "content": ""}] * 2
     assert all(e["usage"] is None for e in events[:-1])
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 18
+    assert events[-1]["usage"]["completion_tokens_details"] == {"accepted_prediction_tokens": 3,
+                                                                 "rejected_prediction_tokens": 4}
     texts = {0: "", 1: ""}
     for event in events[2:-1]:
         for choice in event["choices"]:
@@ -361,6 +370,8 @@ def test_openai_client_sees_typed_errors(client: openai.OpenAI, fake: FakeForge)
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}}, "logit_bias"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "num_speculative_tokens": 65},
+     "num_speculative_tokens"),
 ])
 def test_validation_errors_are_400(http: httpx.Client, fake: FakeForge, body: dict, param: str | None) -> None:
     response = http.post("/v1/chat/completions", json=body)

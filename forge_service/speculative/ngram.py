@@ -1,0 +1,105 @@
+"""Prompt-lookup n-gram drafting with an incremental per-request index.
+
+Plain Python over token ids (no torch). Each request keeps, for every n in
+[min_n, max_n], a dict from the n-gram ending at position i to the latest such
+i that has a following token. Appending a token costs O(max_n - min_n + 1) dict
+updates; proposing costs at most the same number of look-ups plus k list reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class NgramIndex:
+    """Incremental n-gram index over one request's prompt + output tokens."""
+
+    __slots__ = ("min_n", "max_n", "tokens", "_maps")
+
+    def __init__(self, min_n: int = 2, max_n: int = 4, tokens: Iterable[int] = ()) -> None:
+        if min_n < 1 or max_n < min_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n = min_n
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        # _maps[n - min_n][ngram] = end index (exclusive) of the latest occurrence
+        # of `ngram` that is followed by at least one token.
+        self._maps: list[dict[tuple[int, ...], int]] = [{} for _ in range(min_n, max_n + 1)]
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def append(self, token: int) -> None:
+        toks = self.tokens
+        end = len(toks)  # the n-grams ending here now gain a following token
+        for n in range(self.min_n, self.max_n + 1):
+            if end >= n:
+                self._maps[n - self.min_n][tuple(toks[end - n:end])] = end
+        toks.append(int(token))
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for t in tokens:
+            self.append(t)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` tokens that followed the longest earlier match of the current suffix."""
+        toks = self.tokens
+        size = len(toks)
+        if k <= 0:
+            return []
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if size < n:
+                continue
+            end = self._maps[n - self.min_n].get(tuple(toks[size - n:]))
+            if end is not None:
+                return toks[end:min(end + k, size)]
+        return []
+
+
+class AdaptiveDraftLength:
+    """Per-request draft length driven by an EMA of the acceptance rate.
+
+    k grows by one while acceptance stays high, halves when it is low, and may
+    reach 0 (no drafting). At k == 0 a one-token probe is made every
+    `probe_interval` steps so that text that turns repetitive later still gains.
+    """
+
+    __slots__ = ("max_k", "k", "ema", "alpha", "grow_at", "shrink_at", "probe_interval", "_idle")
+
+    def __init__(self, max_k: int = 8, *, start_k: int | None = None, alpha: float = 0.3,
+                 grow_at: float = 0.6, shrink_at: float = 0.3, probe_interval: int = 16) -> None:
+        if max_k < 0:
+            raise ValueError("max_k must be >= 0")
+        self.max_k = max_k
+        self.k = min(max_k, 4) if start_k is None else max(0, min(start_k, max_k))
+        self.ema = 0.5
+        self.alpha = alpha
+        self.grow_at = grow_at
+        self.shrink_at = shrink_at
+        self.probe_interval = probe_interval
+        self._idle = 0
+
+    def draft_len(self) -> int:
+        """How many tokens to draft this step (0 = none)."""
+        if self.max_k == 0:
+            return 0
+        if self.k > 0:
+            return self.k
+        self._idle += 1
+        if self._idle >= self.probe_interval:
+            self._idle = 0
+            return 1
+        return 0
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        rate = accepted / proposed
+        self.ema = (1 - self.alpha) * self.ema + self.alpha * rate
+        if rate == 1.0 and self.ema >= self.grow_at:
+            self.k = min(self.max_k, max(1, self.k) + 1)
+        elif self.ema < self.shrink_at:
+            self.k //= 2
+        elif self.k == 0 and rate > 0:
+            self.k = 1

@@ -1,0 +1,74 @@
+"""The scheduler's side of speculative decoding: drafts for decodes, and what a verified run does
+to the request and its KV blocks."""
+from __future__ import annotations
+
+from forge_service.config import SchedulerConfig, SpeculativeConfig
+from forge_service.engine.request import Request, RequestStatus, SamplingParams
+from forge_service.engine.scheduler import Scheduler
+from forge_service.kv_cache.manager import KVCacheManager
+
+PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2]  # the bigram (1, 2) was followed by 3, 4, 5, ...
+
+
+def running(max_tokens: int = 30, stop=frozenset(), max_draft: int = 4) -> tuple[Scheduler, Request]:
+    """A scheduler whose one request has been prefilled and sampled 3, so that it drafts next."""
+    spec = SpeculativeConfig(speculative="ngram", spec_max_draft=max_draft, spec_ngram_min=2, spec_ngram_max=3)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), KVCacheManager(64, 4), spec)
+    request = Request("r", list(PROMPT), SamplingParams(max_tokens=max_tokens), stop_token_set=frozenset(stop))
+    sched.add(request)
+    out = sched.schedule()
+    assert sched.advance(out.chunks[0], [3]) == 1
+    return sched, request
+
+
+def test_a_decode_gets_a_draft_from_its_own_tokens():
+    sched, request = running()
+    (chunk,) = sched.schedule().chunks
+    assert chunk.draft == [4, 5, 6, 1] and chunk.num_tokens == 5 and chunk.samples
+    assert len(chunk.block_ids) == sched.kv.blocks_needed(request.num_tokens + 4)
+
+
+def test_a_rejection_rolls_back_tokens_and_blocks():
+    sched, request = running()
+    (chunk,) = sched.schedule().chunks
+    assert sched.advance(chunk, [4, 5, 99]) == 3  # two accepted, the third position corrected
+    assert request.output_token_ids == [3, 4, 5, 99]
+    assert request.num_computed_tokens == request.num_tokens - 1  # 99's KV comes next step
+    assert len(sched.kv.block_ids("r")) == sched.kv.blocks_needed(request.num_computed_tokens)
+    assert (request.num_drafted_tokens, request.num_accepted_tokens) == (4, 2)
+    for token in (1, 2):  # no n-gram ends in 99 or (99, 1): plain decodes, until (1, 2) matches again
+        (chunk,) = sched.schedule().chunks
+        assert not chunk.draft and sched.advance(chunk, [token]) == 1
+    (chunk,) = sched.schedule().chunks
+    assert chunk.draft and len(chunk.block_ids) > sched.kv.blocks_needed(request.num_computed_tokens + 1)
+    used = sched.kv.num_used_blocks
+    assert sched.advance(chunk, [77]) == 1  # the whole draft rejected: the blocks held for it go back
+    assert sched.kv.num_used_blocks < used
+    assert len(sched.kv.block_ids("r")) == sched.kv.blocks_needed(request.num_computed_tokens)
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_it_there():
+    sched, request = running(stop={5})
+    (chunk,) = sched.schedule().chunks
+    assert sched.advance(chunk, [4, 5, 6, 1, 2]) == 2  # all accepted, but 5 stops
+    assert request.output_token_ids == [3, 4, 5]
+    assert request.status is RequestStatus.FINISHED_STOPPED and request.stop_reason == 5
+    assert sched.kv.num_used_blocks == 0 and not sched.has_unfinished
+
+
+def test_drafts_never_reach_past_max_tokens():
+    sched, request = running(max_tokens=4)
+    (chunk,) = sched.schedule().chunks
+    assert chunk.draft == [4, 5]  # with the token after them, the 3rd and 4th of 4
+    assert sched.advance(chunk, [4, 5, 6]) == 3
+    assert request.output_token_ids == [3, 4, 5, 6] and request.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_the_draft_length_adapts():
+    sched, request = running(max_tokens=200)
+    lengths = []
+    for _ in range(12):  # every draft rejected at once: drafting dies down to occasional probes
+        (chunk,) = sched.schedule().chunks
+        lengths.append(len(chunk.draft))
+        sched.advance(chunk, [1000 + len(lengths)] if chunk.draft else [1000 + len(lengths)])
+    assert lengths[0] == 4 and lengths[-1] == 0
