@@ -58,6 +58,10 @@ class SpeculativeConfig:
     # The most drafted tokens in one step over all requests: past a batch of a few, a step is no
     # longer bound by reading the weights, and verifying drafts costs as much as new tokens.
     spec_max_step_tokens: int = 16
+    # A decode step's cost that does not grow with its rows, in units of one row's cost: drafting
+    # weighs this against the row each drafted token adds. CPU backend, default model, 2 cores:
+    # a step costs about 2.2 + M rows at M rows (bench/speculative.py --step-rows).
+    spec_step_base_rows: float = 2.2
 
     def __post_init__(self) -> None:
         if self.speculative not in ("ngram", "off"):
@@ -65,8 +69,8 @@ class SpeculativeConfig:
         if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
             raise ValueError(f"need 1 <= spec_ngram_min <= spec_ngram_max, got {self.spec_ngram_min}, "
                              f"{self.spec_ngram_max}")
-        if self.spec_max_draft < 0 or self.spec_max_step_tokens < 0:
-            raise ValueError("spec_max_draft and spec_max_step_tokens must be >= 0")
+        if self.spec_max_draft < 0 or self.spec_max_step_tokens < 0 or self.spec_step_base_rows < 0:
+            raise ValueError("spec_max_draft, spec_max_step_tokens and spec_step_base_rows must be >= 0")
 
     @property
     def enabled(self) -> bool:

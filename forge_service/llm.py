@@ -21,7 +21,7 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64, num_threads: int = 0,
                  enable_prefix_caching: bool = True, device: str = "cpu", speculative: str = "off",
                  spec_max_draft: int = 8, spec_ngram_min: int = 2, spec_ngram_max: int = 4,
-                 spec_max_step_tokens: int = 16) -> None:
+                 spec_max_step_tokens: int = 16, spec_step_base_rows: float = 2.2) -> None:
         self.engine = LLMEngine(EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, device=device),
             cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes, num_blocks=num_blocks,
@@ -30,7 +30,8 @@ class LLM:
                                       max_num_seqs=max_num_seqs, max_waiting=0),
             speculative=SpeculativeConfig(speculative=speculative, spec_max_draft=spec_max_draft,
                                           spec_ngram_min=spec_ngram_min, spec_ngram_max=spec_ngram_max,
-                                          spec_max_step_tokens=spec_max_step_tokens),
+                                          spec_max_step_tokens=spec_max_step_tokens,
+                                          spec_step_base_rows=spec_step_base_rows),
             num_threads=num_threads,
         ))
         self.tokenizer = self.engine.tokenizer

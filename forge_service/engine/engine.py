@@ -87,7 +87,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, ckpt.arch, config.cache, self.dtype)
         self.runner.startup(config.scheduler.max_num_seqs, self.max_model_len)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative)
+        plan = getattr(self.model, "decode_plan", None)  # the fused decode's row bound, where there is one
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative, getattr(plan, "max_rows", None))
         self.model_name = config.model.served_model_name or _name_from_path(path)
         self.eos_token_ids = tuple(ckpt.arch.eos_token_ids or self.tokenizer.eos_token_ids)
         # Structured output: masks are as wide as the logits; the backend is built on first compile.

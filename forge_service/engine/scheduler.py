@@ -27,10 +27,13 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, max_decode_rows: int | None = None) -> None:
         self.config = config
         self.kv = kv
         self.speculative = speculative or SpeculativeConfig()
+        # The most rows the backend runs a decode step on with its fast kernels (None: no bound);
+        # drafts never take a step past it.
+        self.max_decode_rows = max_decode_rows
         # Drafts for decodes (speculative decoding), None when it is off.
         self.proposer = NgramProposer(self.speculative) if self.speculative.enabled else None
         self.waiting: deque[Request] = deque()
@@ -136,7 +139,7 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
-        drafts_left = self.speculative.spec_max_step_tokens
+        drafts_left, worth = self._draft_room()
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -146,19 +149,33 @@ class Scheduler:
                     break  # `request` was the newest and preempted itself
                 draft = []
                 if n == 1 and self.proposer is not None:
-                    draft, block_ids = self._draft(request, min(budget - 1, drafts_left), block_ids)
+                    draft, block_ids = self._draft(request, min(budget - 1, drafts_left), worth, block_ids)
                     drafts_left -= len(draft)
                 out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n + len(draft), block_ids, draft))
                 budget -= n + len(draft)
             i += 1
         return budget
 
-    def _draft(self, request: Request, limit: int, block_ids: list[int]) -> tuple[list[int], list[int]]:
+    def _draft_room(self) -> tuple[int, float]:
+        """The most tokens this step may draft, and what a verified position must yield to pay for
+        its row. With M decode rows a step costs about (base + M) rows' worth (base: the cost that
+        does not grow with rows, spec_step_base_rows), so a plain token costs (base + M) / M rows,
+        and a drafted one, costing one row, pays when it is kept with probability M / (base + M):
+        drafting is nearly free for one stream and worth it only on near-certain drafts for many."""
+        if self.proposer is None:
+            return 0, 0.0
+        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        room = self.speculative.spec_max_step_tokens
+        if self.max_decode_rows is not None:
+            room = min(room, max(0, self.max_decode_rows - decodes))
+        return room, decodes / (self.speculative.spec_step_base_rows + decodes) if decodes else 0.0
+
+    def _draft(self, request: Request, limit: int, worth: float, block_ids: list[int]) -> tuple[list[int], list[int]]:
         """A draft to verify after the request's last token, with the blocks to hold it; no draft
         when the pool is short (drafts never preempt)."""
         # The token after an accepted draft comes on top: never draft past max_tokens.
         limit = min(limit, request.max_output_tokens - len(request.output_token_ids) - 1)
-        draft = self.proposer.propose(request, limit)
+        draft = self.proposer.propose(request, limit, worth)
         if not draft:
             return [], block_ids
         extended = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + 1 + len(draft))

@@ -8,6 +8,8 @@ updates; proposing costs at most the same number of look-ups plus k list reads.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable
 
 
@@ -58,34 +60,41 @@ class NgramIndex:
 
 
 class AdaptiveDraftLength:
-    """Per-request draft length driven by an EMA of the acceptance rate.
+    """Per-request draft length from an estimate of how likely its next drafted token is accepted.
 
-    k grows by one while acceptance stays high, halves when it is low, and may
-    reach 0 (no drafting). At k == 0 a one-token probe is made every
-    `probe_interval` steps so that text that turns repetitive later still gains.
+    `rate` is that probability, estimated from recent verifications with decay (each accepted
+    position a success, the first rejected one a failure; a prior of one of each). A draft of
+    length k gets position j verified at the cost of one more row in the step, and the token is
+    kept with probability rate ** j, so the draft is as long as that stays at or above the
+    step's `worth` (what a row must yield to pay for itself; the scheduler's cost model). At
+    length 0 a one-token probe is made every `probe_interval` steps, so that text that turns
+    repetitive later still gains.
     """
 
-    __slots__ = ("max_k", "k", "ema", "alpha", "grow_at", "shrink_at", "probe_interval", "_idle")
+    __slots__ = ("max_k", "decay", "probe_interval", "_accepted", "_rejected", "_idle")
 
-    def __init__(self, max_k: int = 8, *, start_k: int | None = None, alpha: float = 0.3,
-                 grow_at: float = 0.6, shrink_at: float = 0.3, probe_interval: int = 16) -> None:
+    def __init__(self, max_k: int = 8, *, decay: float = 0.8, probe_interval: int = 16) -> None:
         if max_k < 0:
             raise ValueError("max_k must be >= 0")
         self.max_k = max_k
-        self.k = min(max_k, 4) if start_k is None else max(0, min(start_k, max_k))
-        self.ema = 0.5
-        self.alpha = alpha
-        self.grow_at = grow_at
-        self.shrink_at = shrink_at
+        self.decay = decay
         self.probe_interval = probe_interval
+        self._accepted = self._rejected = 0.0
         self._idle = 0
 
-    def draft_len(self) -> int:
-        """How many tokens to draft this step (0 = none)."""
-        if self.max_k == 0:
-            return 0
-        if self.k > 0:
-            return self.k
+    @property
+    def rate(self) -> float:
+        return (self._accepted + 1.0) / (self._accepted + self._rejected + 2.0)
+
+    def draft_len(self, worth: float = 0.0) -> int:
+        """How many tokens to draft this step (0 = none), where a verified position must be kept
+        with probability `worth` (in [0, 1)) to pay for its row."""
+        rate, k = self.rate, self.max_k
+        if worth > 0.0:
+            k = min(k, int(math.log(worth) / math.log(rate)) if rate < 1.0 else k)
+        if k > 0 or self.max_k == 0:
+            self._idle = 0
+            return k
         self._idle += 1
         if self._idle >= self.probe_interval:
             self._idle = 0
@@ -95,11 +104,5 @@ class AdaptiveDraftLength:
     def update(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return
-        rate = accepted / proposed
-        self.ema = (1 - self.alpha) * self.ema + self.alpha * rate
-        if rate == 1.0 and self.ema >= self.grow_at:
-            self.k = min(self.max_k, max(1, self.k) + 1)
-        elif self.ema < self.shrink_at:
-            self.k //= 2
-        elif self.k == 0 and rate > 0:
-            self.k = 1
+        self._accepted = self.decay * self._accepted + accepted
+        self._rejected = self.decay * self._rejected + (1 if accepted < proposed else 0)

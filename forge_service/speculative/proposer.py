@@ -22,8 +22,9 @@ class NgramProposer:
         self.config = config
         self._states: dict[str, _State] = {}
 
-    def propose(self, request: Request, limit: int) -> list[int]:
-        """Up to `limit` tokens to verify after the request's last token; [] for none."""
+    def propose(self, request: Request, limit: int, worth: float = 0.0) -> list[int]:
+        """Up to `limit` tokens to verify after the request's last token; [] for none. `worth`: the
+        probability of being kept that a verified position needs to pay for its row."""
         if limit <= 0 or request.sampling_params.num_speculative_tokens == 0:
             return []
         state = self._states.get(request.request_id)
@@ -35,7 +36,7 @@ class NgramProposer:
         index = state.index
         if len(index) < request.num_tokens:  # the tokens appended since the last draft
             index.extend(request.token_ids_slice(len(index), request.num_tokens))
-        k = min(limit, state.length.draft_len())
+        k = min(limit, state.length.draft_len(worth))
         return index.propose(k) if k > 0 else []
 
     def update(self, request_id: str, proposed: int, accepted: int) -> None:

@@ -42,17 +42,15 @@ def test_bad_bounds():
         NgramIndex(3, 2)
 
 
-def test_adaptive_grows_shrinks_and_probes():
+def test_adaptive_length_follows_acceptance_and_cost():
     a = AdaptiveDraftLength(max_k=8, probe_interval=4)
-    k0 = a.draft_len()
+    assert a.rate == 0.5 and a.draft_len(0.0) == 8  # rows cost nothing: the longest draft
+    assert a.draft_len(0.3) == 1  # 0.5 ** 1 >= 0.3 > 0.5 ** 2
     for _ in range(10):
-        a.update(a.draft_len(), a.draft_len())
-    assert a.k == 8 and a.k > k0
+        a.update(4, 4)
+    assert a.rate > 0.9 and a.draft_len(0.3) == 8
     for _ in range(20):
-        a.update(a.k or 1, 0)
-    assert a.k == 0
-    lens = [a.draft_len() for _ in range(8)]
-    assert lens == [0, 0, 0, 1, 0, 0, 0, 1]
-    a.update(1, 1)  # probe accepted: drafting resumes
-    assert a.k >= 1
-    assert AdaptiveDraftLength(max_k=0).draft_len() == 0
+        a.update(1, 0)
+    assert a.rate < 0.2
+    assert [a.draft_len(0.3) for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]  # probes
+    assert AdaptiveDraftLength(max_k=0).draft_len(0.0) == 0

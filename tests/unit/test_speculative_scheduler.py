@@ -10,10 +10,13 @@ from forge_service.kv_cache.manager import KVCacheManager
 PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2]  # the bigram (1, 2) was followed by 3, 4, 5, ...
 
 
-def running(max_tokens: int = 30, stop=frozenset(), max_draft: int = 4) -> tuple[Scheduler, Request]:
-    """A scheduler whose one request has been prefilled and sampled 3, so that it drafts next."""
-    spec = SpeculativeConfig(speculative="ngram", spec_max_draft=max_draft, spec_ngram_min=2, spec_ngram_max=3)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), KVCacheManager(64, 4), spec)
+def running(max_tokens: int = 30, stop=frozenset(), max_draft: int = 4, base_rows: float = 1e9,
+            max_decode_rows: int | None = None) -> tuple[Scheduler, Request]:
+    """A scheduler whose one request has been prefilled and sampled 3, so that it drafts next.
+    By default a step's rows cost nothing beside its base, so drafts are as long as allowed."""
+    spec = SpeculativeConfig(speculative="ngram", spec_max_draft=max_draft, spec_ngram_min=2, spec_ngram_max=3,
+                             spec_step_base_rows=base_rows)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), KVCacheManager(64, 4), spec, max_decode_rows)
     request = Request("r", list(PROMPT), SamplingParams(max_tokens=max_tokens), stop_token_set=frozenset(stop))
     sched.add(request)
     out = sched.schedule()
@@ -64,11 +67,25 @@ def test_drafts_never_reach_past_max_tokens():
     assert request.output_token_ids == [3, 4, 5, 6] and request.status is RequestStatus.FINISHED_LENGTH
 
 
-def test_the_draft_length_adapts():
-    sched, request = running(max_tokens=200)
+def test_the_draft_length_weighs_acceptance_against_the_cost_of_rows():
+    # One stream, a step costing 2 + M rows: a drafted position pays if kept with probability 1/3.
+    sched, request = running(max_tokens=200, max_draft=8, base_rows=2.0)
     lengths = []
-    for _ in range(12):  # every draft rejected at once: drafting dies down to occasional probes
+    for _ in range(10):  # every draft accepted: longer drafts
         (chunk,) = sched.schedule().chunks
         lengths.append(len(chunk.draft))
-        sched.advance(chunk, [1000 + len(lengths)] if chunk.draft else [1000 + len(lengths)])
-    assert lengths[0] == 4 and lengths[-1] == 0
+        last = chunk.draft[-1] if chunk.draft else request.output_token_ids[-1]
+        sched.advance(chunk, chunk.draft + [last % 6 + 1])  # the cycle 1..6 goes on
+    # 1, 2, 4, then 6: the latest match is one cycle back, and only 6 tokens follow it
+    assert lengths[:4] == [1, 2, 4, 6] and lengths[-1] == 6 and lengths == sorted(lengths)
+    for _ in range(10):  # every draft rejected: drafting stops, then probes one token now and then
+        (chunk,) = sched.schedule().chunks
+        lengths.append(len(chunk.draft))
+        sched.advance(chunk, [1000 + len(lengths)])
+    assert lengths[-1] == 0
+
+
+def test_drafts_never_take_a_step_past_the_fast_path_rows():
+    sched, request = running(max_decode_rows=3)
+    (chunk,) = sched.schedule().chunks
+    assert len(chunk.draft) == 2  # 1 decode row + 2 drafted
