@@ -32,7 +32,7 @@ ENGINE_FLAGS = [
     ("--grammar-compile-timeout-s", "grammar_compile_timeout_s", float,
      "time limit on compiling one structured-output constraint; past it INVALID_ARGUMENT"),
     ("--speculative", "speculative", str,
-     "ngram: draft tokens from the request's own prompt and output and verify them in the step; or off"),
+     "ngram (default): draft tokens from the request's own prompt and output, verify them in the step; or off"),
     ("--spec-max-draft", "spec_max_draft", int, "most tokens one request drafts per step (adapted down per request)"),
     ("--spec-ngram-min", "spec_ngram_min", int, "shortest n-gram matched for a draft"),
     ("--spec-ngram-max", "spec_ngram_max", int, "longest n-gram matched for a draft (tried first)"),

@@ -30,7 +30,7 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None, max_decode_rows: int | None = None) -> None:
         self.config = config
         self.kv = kv
-        self.speculative = speculative or SpeculativeConfig()
+        self.speculative = speculative or SpeculativeConfig(speculative="off")  # none given: no drafting
         # The most rows the backend runs a decode step on with its fast kernels (None: no bound);
         # drafts never take a step past it.
         self.max_decode_rows = max_decode_rows
