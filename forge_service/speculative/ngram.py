@@ -67,8 +67,8 @@ class AdaptiveDraftLength:
     length k gets position j verified at the cost of one more row in the step, and the token is
     kept with probability rate ** j, so the draft is as long as that stays at or above the
     step's `worth` (what a row must yield to pay for itself; the scheduler's cost model). At
-    length 0 a one-token probe is made every `probe_interval` steps, so that text that turns
-    repetitive later still gains.
+    length 0 a one-token probe is made every `probe_interval / (1 - worth)` steps, so that text
+    that turns repetitive later still gains.
     """
 
     __slots__ = ("max_k", "decay", "probe_interval", "_accepted", "_rejected", "_idle")
@@ -95,8 +95,9 @@ class AdaptiveDraftLength:
         if k > 0 or self.max_k == 0:
             self._idle = 0
             return k
+        # A probe costs a row too: the dearer rows are (the higher `worth`), the rarer the probes.
         self._idle += 1
-        if self._idle >= self.probe_interval:
+        if self._idle >= self.probe_interval / max(1.0 - worth, 1e-3):
             self._idle = 0
             return 1
         return 0

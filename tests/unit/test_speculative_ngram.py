@@ -52,5 +52,6 @@ def test_adaptive_length_follows_acceptance_and_cost():
     for _ in range(20):
         a.update(1, 0)
     assert a.rate < 0.2
-    assert [a.draft_len(0.3) for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]  # probes
+    assert [a.draft_len(0.3) for _ in range(12)] == [0, 0, 0, 0, 0, 1] * 2  # probes: every 4 / (1 - 0.3)
+    assert [a.draft_len(0.9) for _ in range(50)].count(1) == 1  # dear rows: every 4 / (1 - 0.9), about 40
     assert AdaptiveDraftLength(max_k=0).draft_len(0.0) == 0
