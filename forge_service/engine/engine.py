@@ -227,8 +227,8 @@ class LLMEngine:
     def _execute(self, out: SchedulerOutput, deltas: dict[str, RequestOutput]) -> dict[str, list[SampledToken]]:
         """Run the step's batch. If it raises, retry without the newest admissions, then in halves,
         until each failure is pinned to one request; only those fail. A failed run leaves no
-        request's state advanced (the runner restores generators and grammar matchers; the KV it
-        wrote lies in slots that are not yet counted as computed)."""
+        request's state advanced (the runner restores grammar matchers, seeded noise has no state;
+        the KV it wrote lies in slots that are not yet counted as computed)."""
         sampled: dict[str, list[SampledToken]] = {}
         old = len(out.chunks) - out.num_admitted
         split = old if 0 < old < len(out.chunks) else len(out.chunks) // 2

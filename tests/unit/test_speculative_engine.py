@@ -15,22 +15,13 @@ from forge_service import LLM, SamplingParams
 from forge_service.errors import InvalidArgument
 from forge_service.runner import model_runner
 from forge_service.structured import Constraint
-from tests.tiny_models import CHATML_TEMPLATE, random_weights, tiny_arch, tiny_tokenizer_json, write_safetensors_dir
-from tests.unit.test_engine_tiny import sharp_weights
+from tests.tiny_models import random_weights, tiny_arch, tiny_tokenizer_json, write_safetensors_dir
+from tests.unit.test_engine_tiny import tiny_dir  # noqa: F401 (a fixture: the sharp tiny model)
 
 # Prompts after which the tiny model's greedy output settles into loops: drafts get accepted.
 LOOPING = [[5, 6, 7, 8, 9] * 7, list(range(3, 40)), [11, 12, 13] * 10, list(range(50, 90))]
 SHARED = list(range(120, 160))  # a prefix shared by two prompts (prefix-cache hits)
 PROMPTS = LOOPING + [SHARED + [7, 8, 9], SHARED + [7, 8, 9, 10, 11]]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    arch = tiny_arch()
-    root = tmp_path_factory.mktemp("tiny_spec")
-    write_safetensors_dir(root, arch, sharp_weights(arch), tokenizer_json=tiny_tokenizer_json(),
-                          chat_template=CHATML_TEMPLATE)
-    return root
 
 
 # Tiny models' steps cost about the same at any row count: drafts are as long as the caps allow.
