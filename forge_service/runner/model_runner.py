@@ -215,12 +215,15 @@ class ModelRunner:
         results = []
         row = 0
         for c in chunks:
-            kept = accepted_run(c.draft, token_ids[row:row + len(c.draft) + 1])
-            refused = ()
-            if meta.token_bitmask is not None:
-                refused = self.grammars.accept([c.request.request_id] * len(kept), kept)
+            kept = _through_stop(accepted_run(c.draft, token_ids[row:row + len(c.draft) + 1]), c.request.stop_token_set)
+            refused = False
+            if meta.token_bitmask is not None:  # the grammar takes the kept tokens, up to one it refuses
+                for n, token in enumerate(kept):
+                    if self.grammars.accept([c.request.request_id], [token]):
+                        kept, refused = kept[:n + 1], True
+                        break
             for j, token in enumerate(kept):
-                results.append(self._sampled_token(c, row + j, token, res, c.request.request_id in refused))
+                results.append(self._sampled_token(c, row + j, token, res, refused and j == len(kept) - 1))
             row += len(c.draft) + 1
         return results
 
@@ -246,6 +249,15 @@ def accepted_run(draft: list[int], sampled: list[int]) -> list[int]:
     while n < len(draft) and sampled[n] == draft[n]:
         n += 1
     return sampled[:n + 1]
+
+
+def _through_stop(tokens: list[int], stops: frozenset[int] | set[int]) -> list[int]:
+    """`tokens` up to and with the first stop token: nothing after it is the request's (nor its
+    grammar's, which ends at EOS)."""
+    for n, token in enumerate(tokens):
+        if token in stops:
+            return tokens[:n + 1]
+    return tokens
 
 
 _MASK64 = (1 << 64) - 1

@@ -239,3 +239,16 @@ def test_sampled_tokens_follow_the_target_distribution(unigram_dir, monkeypatch)
     monkeypatch.setattr(model_runner, "accepted_run", wrong_run)
     wrong, _, _ = _pairs(llm, prompt)
     assert _chi_square_p(wrong, target, N_DRAWS) < 1e-6
+
+
+def test_a_draft_through_the_end_of_structured_output_stops_there(tiny_dir):
+    # The prompt repeats the only allowed answer followed by EOS, so drafts run through the EOS
+    # (and past it): the output ends at the EOS, complete, like without drafts.
+    off, on = engines(tiny_dir, spec_ngram_min=1)
+    answer = on.tokenizer.encode("abc")
+    prompt = (answer + [2]) * 4 + answer[:1]
+    params = SamplingParams(temperature=0, max_tokens=20, constraint=Constraint("choice", '["abc"]'))
+    want = off.generate([prompt], params)[0].outputs[0]
+    got = on.generate([prompt], params)[0].outputs[0]
+    assert (got.text, got.finish_reason) == (want.text, want.finish_reason) == ("abc", "stop")
+    assert got.num_accepted_tokens > 0
