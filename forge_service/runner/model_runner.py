@@ -156,11 +156,7 @@ class ModelRunner:
         for c in chunks:
             if not c.draft or (m := self.grammars.get(c.request.request_id)) is None:
                 continue
-            allowed = 0
-            for token in c.draft:
-                if not m.accept_token(token):
-                    break
-                allowed += 1
+            allowed = m.accept_prefix(c.draft)
             m.rollback(allowed)
             if allowed < len(c.draft):
                 c.num_tokens -= len(c.draft) - allowed

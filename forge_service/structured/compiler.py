@@ -234,6 +234,16 @@ class GrammarMatcher:
         self._num_tokens += 1
         return True
 
+    def accept_prefix(self, token_ids: Sequence[int]) -> int:
+        """Advance by the longest prefix of `token_ids` the grammar allows; returns its length
+        (a speculative draft is checked this way, then rolled back)."""
+        accepted = 0
+        for token_id in token_ids:
+            if not self.accept_token(token_id):
+                break
+            accepted += 1
+        return accepted
+
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write row `row` of a packed bitmask [N, ceil(V / 32)] int32 (CPU, contiguous); 1 = allowed."""
         if self._terminated:

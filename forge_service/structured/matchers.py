@@ -58,11 +58,7 @@ class MatcherSet:
         return bitmask
 
     def _fill_after(self, m: GrammarMatcher, tokens: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
-        accepted = 0
-        for token in tokens:
-            if not m.accept_token(token):
-                break
-            accepted += 1
+        accepted = m.accept_prefix(tokens)
         try:
             if accepted < len(tokens):  # drafts are cut at their first refused token before this
                 raise RuntimeError(f"draft token {tokens[accepted]} is outside the grammar")
