@@ -7,6 +7,7 @@ import platform
 import shutil
 import statistics
 import subprocess
+import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -66,6 +67,15 @@ def _fmt(v: object) -> str:
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
     return "" if v is None else str(v)
+
+
+def write_report(out: Path | None, prefix: str, report: dict) -> Path:
+    """Write `report` to `out`, or to bench/results/<prefix>-<time>.json; print and return the path."""
+    path = out or RESULTS / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+    return path
 
 
 def write_json(name: str, payload: dict) -> Path:

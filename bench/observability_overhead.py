@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -35,9 +34,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import serve as load  # noqa: E402
-from bench.common import machine  # noqa: E402
+from bench.common import machine, write_report  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SETUPS = ("off", "metrics", "tracing")
 
 
@@ -170,10 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"observability overhead: c={args.concurrency}, {args.rounds} rounds x {args.repeats} runs of "
           f"{args.num_requests} requests x {args.max_tokens} tokens; {m['cpu']}, {m['cores']} cores")
     print_table(report)
-    out = args.out or RESULTS_DIR / f"observability-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    write_report(args.out, "observability", report)
     return 1 if any(row["errors"] for row in report["results"]) else 0
 
 

@@ -27,9 +27,8 @@ from typing import Any, Callable
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import machine  # noqa: E402
+from bench.common import machine, write_report  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # A fixed, model-independent prompt; its token count comes back in usage.prompt_tokens.
 BASE_PROMPT = ("The history of the printing press begins in the fifteenth century, when movable type "
                "changed how knowledge spread across Europe. ")
@@ -211,10 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"serve bench: {report['model']} via {report['url']}{report['endpoint']}, max_tokens={args.max_tokens}, "
           f"{args.repeats} repeats; client: {m['cpu']}, {m['cores']} cores")
     print_table(report["results"])
-    out = args.out or RESULTS_DIR / f"serve-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    write_report(args.out, "serve", report)
     return 1 if any(row["errors"] for row in report["results"]) else 0
 
 
