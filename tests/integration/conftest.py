@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
+import openai
 import pytest
 import torch
 
 from forge_service.loaders import default_model_path
+from tests.integration.serving.servers import SERVER_THREADS, ForgeProcess, running_forge
 
 RAW_PROMPTS = [
     "The capital of France is",
@@ -69,3 +72,22 @@ def fidelity_prompt_ids(hf_tokenizer) -> list[list[int]]:
     chat = [hf_tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in CHAT_PROMPTS]
     chat = [c["input_ids"] if hasattr(c, "keys") else c for c in chat]
     return raw + [list(c) for c in chat]
+
+
+# A module's own `forge serve --dtype float32` (the structured-output and tool-calling tests); the
+# serving package has its own for the package, and modules needing other flags define `server`.
+@pytest.fixture(scope="module")
+def server() -> Iterator[ForgeProcess]:
+    with running_forge(["--dtype", "float32", *SERVER_THREADS, "--log-level", "warning"]) as forge:
+        forge.wait_ready()
+        yield forge
+
+
+@pytest.fixture(scope="module")
+def client(server: ForgeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(server: ForgeProcess) -> str:
+    return server.health().model

@@ -11,7 +11,7 @@ import json
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 import jsonschema
@@ -22,7 +22,7 @@ from forge_service import SamplingParams
 from forge_service.pb import forge_pb2 as pb
 from forge_service.structured import Constraint
 from tests.integration.conftest import CHAT_PROMPTS
-from tests.integration.serving.servers import SERVER_THREADS, ForgeProcess, running_forge, torch_threads
+from tests.integration.serving.servers import ForgeProcess, torch_threads
 from tests.integration.structured_schemas import SCHEMAS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -31,23 +31,6 @@ MAX_TOKENS = 128
 # llguidance 1.9.1 cannot enforce these keywords; the grammar approximates them (ignores them) and
 # the output is validated afterwards, so it may not validate.
 APPROXIMATED = {"property_names", "dependent_required", "unique_items", "contains", "if_then_else", "not_keyword"}
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ForgeProcess]:
-    with running_forge(["--dtype", "float32", *SERVER_THREADS, "--log-level", "warning"]) as forge:
-        forge.wait_ready()
-        yield forge
-
-
-@pytest.fixture(scope="module")
-def client(server: ForgeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(server: ForgeProcess) -> str:
-    return server.health().model
 
 
 def schema_chat(name: str, schema: dict[str, Any]) -> list[dict[str, str]]:

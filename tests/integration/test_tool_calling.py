@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 import jsonschema
@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from forge_service.pb import forge_pb2 as pb
-from tests.integration.serving.servers import SERVER_THREADS, ForgeProcess, running_forge
+from tests.integration.serving.servers import ForgeProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -55,23 +55,6 @@ QUESTIONS = [
     "Tell me the temperature in Berlin in fahrenheit.",
     "I need the current time in Sydney and the weather there.",
 ]
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ForgeProcess]:
-    with running_forge(["--dtype", "float32", *SERVER_THREADS, "--log-level", "warning"]) as forge:
-        forge.wait_ready()
-        yield forge
-
-
-@pytest.fixture(scope="module")
-def client(server: ForgeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(server: ForgeProcess) -> str:
-    return server.health().model
 
 
 def ask(question: str) -> list[dict[str, Any]]:
