@@ -99,7 +99,12 @@ class Backend(Protocol):
         4-bit form where it has one; `int8_rows` allows a per-row int8 copy for small batches."""
         ...
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, packed: Any) -> torch.Tensor:
+    def needs_dense(self, packed: Any) -> bool:
+        """Whether `linear` may read the dense weight beside `packed` (from pack_linear). When not,
+        the layer drops the dense weight, and `linear` receives None for it."""
+        ...
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | None, packed: Any) -> torch.Tensor:
         """x [T, K] @ weight.T -> [T, N], reading `packed` (from pack_linear) where it serves."""
         ...
 

@@ -29,8 +29,12 @@ class CpuBackend:
         return cpu_linear.pack(weight, int4, int8_rows)
 
     @staticmethod
-    def linear(x: torch.Tensor, weight: torch.Tensor, packed: CpuWeight | None) -> torch.Tensor:
-        return cpu_linear.linear(x, weight, packed)  # the dense GEMM, or a small batch's 4-bit / int8 kernel
+    def needs_dense(packed: CpuWeight | None) -> bool:
+        return cpu_linear.needs_dense(packed)
+
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: CpuWeight | None) -> torch.Tensor:
+        return cpu_linear.linear(x, weight, packed)  # the native kernels, else torch's 4-bit / int8 or dense
 
     # ---- per-layer ops ----
     @staticmethod
@@ -109,7 +113,7 @@ class CpuBackend:
         if not cpu_kernels.DecodePlan.supported(plan, arch.hidden_size, arch.intermediate_size, arch.head_dim):
             return None
         return cpu_kernels.DecodePlan(plan, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                                      arch.intermediate_size, arch.rms_norm_eps, scale, cpu_linear.NATIVE_MAX_ROWS)
+                                      arch.intermediate_size, arch.rms_norm_eps, scale)
 
     # ---- per step and at start-up ----
     @staticmethod

@@ -323,9 +323,9 @@ class DecodePlan:
     order and with its arguments (so the same bits), without ~11 Python round trips per layer."""
 
     def __init__(self, layers: list[DecodeLayer], hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int, eps: float, scale: float, max_rows: int) -> None:
+                 intermediate: int, eps: float, scale: float) -> None:
         self.layers = layers  # keeps the weights the structs point at alive
-        self.max_rows = max_rows
+        self.max_rows = None  # any decode step: the native GEMMs take every batch size
         self.dims = _Dims(hidden, heads, kv_heads, head_dim, intermediate, 0, eps, scale)
         self.table = (_Layer * len(layers))()
         for row, layer in zip(self.table, layers):
@@ -346,10 +346,8 @@ class DecodePlan:
                 and _head_dim_supported(head_dim) and all(_bf16(layer.input_norm, layer.post_norm) for layer in layers))
 
     def takes(self, meta, tokens: int) -> bool:
-        """Whether this step is one the plan runs: decode tokens only, as many as the native GEMMs
-        take (the per-kernel path switches to the dense GEMM above that)."""
-        return (meta.num_decode_tokens == tokens and not meta.prefills and meta.decode_lens is not None
-                and tokens <= self.max_rows)
+        """Whether this step is one the plan runs: decode tokens only."""
+        return meta.num_decode_tokens == tokens and not meta.prefills and meta.decode_lens is not None
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:

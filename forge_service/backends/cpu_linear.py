@@ -1,12 +1,15 @@
-"""The CPU backend's linear layers: a dense weight and, where the checkpoint stored one, its 4-bit form.
+"""The CPU backend's linear layers: a checkpoint's quantised weights on the native kernels, else
+the dense weight.
 
-A decode step multiplies a few rows by every weight once, so it is bound by the bytes it reads:
-with the checkpoint's own 4-bit codes it reads a quarter of what a bf16 copy costs. Large batches
-(prefill chunks) are bound by arithmetic instead and use the dense GEMM.
+Where this machine can build and run the native kernels (cpu_kernels.py: int8 activations times
+4-bit or int8 weights, AVX-512 VNNI), every batch size takes them: a decode step reads a quarter
+of a bf16 copy's bytes, and large batches (prefill chunks, many decodes) do twice the bf16 GEMM's
+arithmetic rate on this machine's shapes (bench/activation_fidelity.py and the kernel tests say
+what it costs in fidelity). One path for every M also makes a row's result independent of what
+shares its step (see native/cpu/quant_gemm.c). The dense weight is then not kept at all.
 
-Small batches run on the native kernels (cpu_kernels.py: int8 activations times 4-bit or int8
-weights, AVX-512 VNNI) where this machine can build and run them, and on torch's 4-bit and int8
-kernels otherwise.
+Where they cannot run, small batches use torch's 4-bit and int8 kernels and large ones the dense
+GEMM.
 """
 from __future__ import annotations
 
@@ -18,22 +21,17 @@ import torch.nn.functional as F
 from forge_service.backends import cpu_kernels
 from forge_service.backends.base import INT4_GROUP, Int4Weight
 
-# Up to this many rows the 4-bit kernel beats the bf16 GEMM on CPU (measured on the default
-# model's shapes with weights out of cache: 5x at 1 row, 1.3x at 16, 1.1x at 24, slower from 32).
-# Decode steps that carry a short prefill chunk stay under it too.
+# Without the native kernels: up to this many rows torch's 4-bit kernel beats the bf16 GEMM
+# (5x at 1 row, 1.3x at 16, 1.1x at 24, slower from 32).
 INT4_MAX_ROWS = 24
-# Likewise for the per-row int8 kernel (2x at 1 row on the 49k x 576 lm_head, slower from 16).
+# Likewise for torch's per-row int8 kernel (2x at 1 row on the 49k x 576 lm_head, slower from 16).
 INT8_MAX_ROWS = 4
-# The native kernels against the bf16 GEMM on the default model's shapes: 5x at 1 row on gate_up
-# (2x torch's 4-bit kernel), even at 16 to 24 rows, slower from 32; about 4x torch's int8 kernel
-# on the lm_head at 1 row.
-NATIVE_MAX_ROWS = 24
 
 
 @dataclass
 class CpuWeight:
-    """The small-batch forms of one weight: the native kernels' where they run here, else torch's
-    4-bit or int8 one."""
+    """The quantised forms of one weight: the native kernels' where they run here (every batch size),
+    else torch's 4-bit or int8 one (small batches)."""
 
     native: cpu_kernels.QuantWeight | None = None
     # Activations go to the native kernels as int8 with a second level in their outlier groups
@@ -69,13 +67,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: CpuWeight | None) -> t
     # x: [T, K] -> [T, N]
     rows = x.shape[0]
     if packed is not None:
-        if packed.native is not None and rows <= NATIVE_MAX_ROWS:
+        if packed.native is not None:
             return cpu_kernels.linear(x, packed.native, packed.levels)
         if packed.int4pack is not None and rows <= INT4_MAX_ROWS:
             return torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed.int4pack, INT4_GROUP, packed.scale_zeros)
         if packed.int8 is not None and rows <= INT8_MAX_ROWS:
             return torch._weight_int8pack_mm(x.contiguous(), packed.int8, packed.int8_scale)
     return F.linear(x, weight)
+
+
+def needs_dense(packed: CpuWeight | None) -> bool:
+    """Whether `linear` may read the dense weight: not once the native kernels take every batch."""
+    return packed is None or packed.native is None
 
 
 def int4_supported(weight: torch.Tensor) -> bool:

@@ -1,6 +1,7 @@
 """The synchronous engine: requests in, one batched step at a time, delta outputs out."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 import uuid
@@ -61,6 +62,15 @@ class _Parent:
     finished: set[str] = field(default_factory=set)
 
 
+def _return_freed_memory() -> None:
+    """Give the allocator's free memory back to the OS. glibc keeps most freed heap memory (here:
+    a model load's dense copies, a few hundred MB) mapped, where it counts as resident."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class LLMEngine:
     """Synchronous and single-threaded: only one thread may call it."""
 
@@ -82,18 +92,21 @@ class LLMEngine:
         # The 4-bit codes feed a CPU kernel; other devices multiply by the dequantised weights.
         int4 = ckpt.int4 if backend.device.type == "cpu" else None
         self.model = build_model(path, ckpt.arch, weights, backend, int4)
-        self.max_model_len = min(config.model.max_model_len or ckpt.arch.max_position_embeddings,
-                                 ckpt.arch.max_position_embeddings)
-        self.runner = ModelRunner(self.model, ckpt.arch, config.cache, self.dtype)
+        # The model keeps what its kernels read; the loader's dense copies and codes go back to the OS.
+        del ckpt, weights, int4
+        _return_freed_memory()
+        self.max_model_len = min(config.model.max_model_len or self.arch.max_position_embeddings,
+                                 self.arch.max_position_embeddings)
+        self.runner = ModelRunner(self.model, self.arch, config.cache, self.dtype)
         self.runner.startup(config.scheduler.max_num_seqs, self.max_model_len)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         plan = getattr(self.model, "decode_plan", None)  # the fused decode's row bound, where there is one
         self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative, getattr(plan, "max_rows", None))
         self.model_name = config.model.served_model_name or _name_from_path(path)
-        self.eos_token_ids = tuple(ckpt.arch.eos_token_ids or self.tokenizer.eos_token_ids)
+        self.eos_token_ids = tuple(self.arch.eos_token_ids or self.tokenizer.eos_token_ids)
         # Structured output: masks are as wide as the logits; the backend is built on first compile.
         self.grammar_compiler = GrammarCompiler(
-            self.tokenizer.backend, ckpt.arch.vocab_size, self.eos_token_ids,
+            self.tokenizer.backend, self.arch.vocab_size, self.eos_token_ids,
             max_spec_bytes=config.structured.max_grammar_bytes,
             compile_timeout_s=config.structured.grammar_compile_timeout_s)
         self.runner.grammars = MatcherSet(self.grammar_compiler)

@@ -1,7 +1,8 @@
 """Linear layers: a dense weight, plus whatever other form of it the backend's kernels read.
 
-On the CPU that is, for small batches, the checkpoint's own 4-bit codes or an int8 copy of the
-lm_head (backends/cpu_linear.py); the CUDA backend's GEMMs read the dense weight alone.
+On the CPU that is the checkpoint's own 4-bit codes or an int8 copy of the lm_head
+(backends/cpu_linear.py), and where the native kernels take every batch size the dense weight is
+not kept at all; the CUDA backend's GEMMs read the dense weight alone.
 """
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ class Linear:
     def __init__(self, backend: Backend, weight: torch.Tensor, int4: Int4Weight | None = None,
                  int8_rows: bool = False) -> None:
         self.backend = backend
-        self.weight = weight  # [N, K] in the compute dtype
+        self.shape = tuple(weight.shape)  # [N, K]
         self.packed: Any = backend.pack_linear(weight, int4, int8_rows)  # None: the dense weight alone
+        # [N, K] in the compute dtype, or None where the backend never reads it (no second copy)
+        self.weight = weight if backend.needs_dense(self.packed) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] -> [T, N]

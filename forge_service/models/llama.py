@@ -34,8 +34,10 @@ class LlamaModel:
         self.backend = backend
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.embed = weights["model.embed_tokens.weight"]  # [V, D]
-        # [V, D]. A backend may read it as int8 for small batches: its leading logits are refined anyway.
-        self.lm_head = Linear(backend, weights.get("lm_head.weight", self.embed), int8_rows=True)
+        # [V, D], kept dense for refining the leading logits (the embedding itself when tied). A
+        # backend may read it as int8 for the full product: its leading logits are refined anyway.
+        self.lm_head_weight = weights.get("lm_head.weight", self.embed)
+        self.lm_head = Linear(backend, self.lm_head_weight, int8_rows=True)
         self.norm = weights["model.norm.weight"]
         self.layers = [self._layer(weights, int4 or {}, i) for i in range(arch.num_layers)]
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
@@ -91,7 +93,9 @@ class LlamaModel:
         # A bf16 GEMM rounds every logit to 8 mantissa bits, enough to flip near ties: recompute
         # the leading candidates of each row in fp32 (a full fp32 lm_head costs ~3x as much).
         top = ops.topk(logits, REFINE_CANDIDATES)[1]  # [N, k]; 3x torch.topk on CPU at 16 rows
-        exact = torch.einsum("nd,nkd->nk", h, self.lm_head.weight[top].float())
+        # A product and a sum per row, not einsum: a batched GEMM may pick its kernel by the batch
+        # size, and a row's logits must not depend on the rows beside it.
+        exact = (self.lm_head_weight[top].float() * h[:, None, :]).sum(-1)
         logits.scatter_(1, top, exact)
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """SchedulerOutput -> flat batch tensors -> model -> sampler. Tensors begin here."""
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,6 +32,18 @@ def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * torch.finfo(dtype).bits // 8
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled cache tensor. On the CPU it lives in anonymous memory, which the OS maps to
+    zero pages and commits only where written: a large cache takes memory as it fills, not at
+    start-up, and any slot never written reads as zeros (finite, so masked padding cannot turn an
+    attention sum into NaN)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    memory = mmap.mmap(-1, max(1, count * torch.finfo(dtype).bits // 8))
+    return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)  # keeps `memory` alive
+
+
 class ModelRunner:
     """Owns the K/V tensors and the sampler."""
 
@@ -42,11 +56,9 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks or max(1, cache.kv_cache_bytes // kv_block_bytes(arch, cache.block_size, dtype))
         slots = self.num_blocks * self.block_size
-        self.kv_caches = [
-            (torch.zeros(slots, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=self.device),
-             torch.zeros(slots, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=self.device))
-            for _ in range(arch.num_layers)
-        ]
+        shape = (slots, arch.num_kv_heads, arch.head_dim)
+        self.kv_caches = [(_zeros(shape, dtype, self.device), _zeros(shape, dtype, self.device))
+                          for _ in range(arch.num_layers)]
         self.sampler: Sampler = self.backend.sampler()
         self.grammars: MatcherSet | None = None  # structured output's matchers; set by the engine
 

@@ -1,4 +1,5 @@
-/* Small-batch GEMMs over group-quantised weights for the CPU backend (AVX-512 VNNI).
+/* GEMMs over group-quantised weights for the CPU backend (AVX-512 VNNI), for every batch size:
+ * decode steps of one row to many, and prefill chunks.
  *
  * A decode step multiplies a few activation rows by every weight once; torch's 4-bit kernel
  * dequantises each weight to float for that, which makes it compute-bound well below memory
@@ -17,9 +18,12 @@
  * channels far above the rest). The second level is kept for those groups only, f = 0 elsewhere:
  * about one group in five on the default model's decode steps (see FINE_ABOVE in cpu_kernels.py
  * for what that costs in fidelity: top tokens flip no more often than with it everywhere).
- * Rows go through a tile in blocks of 4; the first level runs over every group, then the second
- * over the groups that some row of the block needs (a row's zero second level adds exact zeros,
- * so its result does not depend on the rows batched with it).
+ * Rows go through a tile in blocks of 8, so that each pass over a tile's weights (unpacked once
+ * per group) serves 8 rows, and 8 independent VNNI chains hide the instruction's latency. The
+ * first level runs over every group, then the second over the groups that some row of the block
+ * needs. A row's zero second level adds exact zeros, and each row sums its groups in the same
+ * order whatever its block: a row's result does not depend on M, on the rows batched with it, or
+ * on which prefill chunk it came in (batch invariance, which greedy determinism rests on).
  *
  * Layout: weight rows in tiles of 16, so that the 16 int32 lanes of a VNNI product are 16 output
  * columns and nothing needs a horizontal sum. For each tile and group, a run of 64-byte vectors
@@ -37,7 +41,7 @@
 
 #define GROUP 32
 #define TILE 16  /* weight rows per tile: one per int32 lane */
-#define ROWS 4   /* activation rows per pass over a tile */
+#define ROWS 8   /* activation rows per pass over a tile */
 
 enum { OK = 0, BAD_SHAPE = 1, NO_MEMORY = 2 };
 
@@ -157,13 +161,13 @@ static inline __attribute__((always_inline)) void tile(int q4, const uint8_t *co
                                                        __m512 *y) {
     const int64_t groups = K / GROUP, group_bytes = q4 ? TILE * GROUP / 2 : TILE * GROUP;
     __m512i chunk[8];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < R; i++) y[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         unpack(q4, codes + g * group_bytes, chunk);
         const __m512 wd = halves(wd16 + g * TILE);
         const __m512 wm = q4 ? halves(wm16 + g * TILE) : _mm512_mul_ps(wd, _mm512_set1_ps(-128.0f));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int i = 0; i < R; i++) {
             const int64_t m = m0 + i;
             const __m512 sum = _mm512_cvtepi32_ps(dot8(chunk, a + m * K + g * GROUP));
@@ -175,7 +179,7 @@ static inline __attribute__((always_inline)) void tile(int q4, const uint8_t *co
         const int64_t g = fine[j];
         unpack(q4, codes + g * group_bytes, chunk);
         const __m512 wd = halves(wd16 + g * TILE);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int i = 0; i < R; i++) {
             const int64_t m = m0 + i;
             const __m512 sum = _mm512_cvtepi32_ps(dot8(chunk, a_fine + m * K + g * GROUP));
@@ -203,7 +207,11 @@ static inline __attribute__((always_inline)) void tile_rows(int q4, int64_t t, c
             case 1: tile(q4, w, d, o, a, a + M * K, xd, xs, list, fine_count[b], K, m0, 1, y); break;
             case 2: tile(q4, w, d, o, a, a + M * K, xd, xs, list, fine_count[b], K, m0, 2, y); break;
             case 3: tile(q4, w, d, o, a, a + M * K, xd, xs, list, fine_count[b], K, m0, 3, y); break;
-            default: tile(q4, w, d, o, a, a + M * K, xd, xs, list, fine_count[b], K, m0, 4, y); break;
+            case 4: tile(q4, w, d, o, a, a + M * K, xd, xs, list, fine_count[b], K, m0, 4, y); break;
+            case 5: tile(q4, w, d, o, a, a + M * K, xd, xs, list, fine_count[b], K, m0, 5, y); break;
+            case 6: tile(q4, w, d, o, a, a + M * K, xd, xs, list, fine_count[b], K, m0, 6, y); break;
+            case 7: tile(q4, w, d, o, a, a + M * K, xd, xs, list, fine_count[b], K, m0, 7, y); break;
+            default: tile(q4, w, d, o, a, a + M * K, xd, xs, list, fine_count[b], K, m0, 8, y); break;
         }
         for (int64_t i = 0; i < rows; i++) store16(out, out_bf16, (m0 + i) * N + t * TILE, y[i]);
     }

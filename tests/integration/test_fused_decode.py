@@ -36,13 +36,13 @@ def test_fused_decode_equals_the_per_kernel_path(fidelity_prompt_ids):
     assert _run(llm, prompts) == fused
 
 
-def test_the_plan_takes_only_small_decode_steps(llm_fp32):
+def test_the_plan_takes_decode_steps_of_any_size_and_nothing_else(llm_fp32):
     plan = LLM(dtype="bfloat16").engine.runner.model.decode_plan
     decode = AttentionMetadata(slot_mapping=torch.zeros(4, dtype=torch.long), block_size=16, num_decode_tokens=4,
                                decode_lens=torch.ones(4, dtype=torch.int32))
     assert plan.takes(decode, 4)
     assert not plan.takes(decode, 5)  # a prefill chunk rides along
-    big = AttentionMetadata(slot_mapping=torch.zeros(32, dtype=torch.long), block_size=16, num_decode_tokens=32,
-                            decode_lens=torch.ones(32, dtype=torch.int32))
-    assert not plan.takes(big, 32)  # the dense GEMM's batch size
+    big = AttentionMetadata(slot_mapping=torch.zeros(64, dtype=torch.long), block_size=16, num_decode_tokens=64,
+                            decode_lens=torch.ones(64, dtype=torch.int32))
+    assert plan.takes(big, 64) and plan.max_rows is None  # the native GEMMs take every batch size
     assert llm_fp32.engine.runner.model.decode_plan is None  # fp32, the reference, stays in torch

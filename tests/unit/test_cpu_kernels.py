@@ -48,6 +48,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
+def _emulated(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether the kernel's output is its arithmetic's (`want`) up to fp32 rounding. An fp32
+    rounding can move one activation level at a rounding tie by a step, which moves the outputs of
+    its row by up to amax / 127 of a weight: over hundreds of rows a few outputs do. A wrong
+    kernel misses nearly everywhere."""
+    errors = (got.double() - want.double()).abs() / want.double().abs().max()
+    return bool((errors > 1e-5).double().mean() < 0.01 and errors.max() < 2e-3)
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_q4_packing_keeps_every_weight(n: int, k: int) -> None:
     codes, scale, zero = _codes(n, k, seed=n + k)
@@ -55,8 +64,12 @@ def test_q4_packing_keeps_every_weight(n: int, k: int) -> None:
     assert torch.allclose(cpu_kernels.dequantize(cpu_kernels.pack_q4(codes, scale, zero)), want, atol=1e-6)
 
 
+# Every batch size takes these kernels: decode steps, blocks of 8 rows and their tails, prefill chunks.
+ROWS = [1, 2, 3, 5, 7, 8, 9, 24, 25, 64, 200, 512]
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 23])
+@pytest.mark.parametrize("rows", ROWS)
 def test_q4_linear_computes_its_quantised_product(n: int, k: int, rows: int) -> None:
     codes, scale, zero = _codes(n, k, seed=n * k + rows)
     w = cpu_kernels.pack_q4(codes, scale, zero)
@@ -65,13 +78,12 @@ def test_q4_linear_computes_its_quantised_product(n: int, k: int, rows: int) -> 
     exact = x.double() @ dense
     got = cpu_kernels.linear(x, w)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
-    # the kernel's own arithmetic, up to fp32 rounding
-    assert _rel(got, _activations(x) @ dense) < 1e-5
+    assert _emulated(got, _activations(x) @ dense)  # the kernel's own arithmetic
     everywhere = cpu_kernels.linear(x, w, fine_above=0.0)
-    assert _rel(everywhere, _activations(x, fine_above=0.0) @ dense) < 1e-5
+    assert _emulated(everywhere, _activations(x, fine_above=0.0) @ dense)
     assert _rel(everywhere, exact) < 2e-3  # within 16-bit activation error of exact
     one_level = cpu_kernels.linear(x, w, levels=1)
-    assert _rel(one_level, _activations(x, levels=1) @ dense) < 1e-5
+    assert _emulated(one_level, _activations(x, levels=1) @ dense)
     if k >= 576:  # the default model's rows: the second level in outlier groups brings the product close
         assert _rel(one_level, exact) > 2 * _rel(got, exact)
     bf16 = cpu_kernels.linear(x.bfloat16(), w)
@@ -85,22 +97,28 @@ def test_q8_linear_tracks_the_dense_weight(n: int, k: int, levels: int) -> None:
     weight = torch.randn(n, k, generator=g) * 0.05
     w = cpu_kernels.pack_q8(weight)
     assert _rel(cpu_kernels.dequantize(w), weight) < 0.01  # int8 per group of 32
-    for rows in (1, 4, 17):
+    for rows in (1, 7, 24, 25, 64, 200, 512):
         x = torch.randn(rows, k, generator=g)
         got = cpu_kernels.linear(x, w, levels)
-        assert _rel(got, _activations(x, levels) @ cpu_kernels.dequantize(w).double().T) < 1e-5
+        assert _emulated(got, _activations(x, levels) @ cpu_kernels.dequantize(w).double().T)
         assert _rel(got, x.double() @ weight.double().T) < 0.02
 
 
 @pytest.mark.parametrize("n,k", SHAPES[2:])
-def test_a_row_does_not_depend_on_the_rows_batched_with_it(n: int, k: int) -> None:
-    """Rows share passes over the weights in blocks of 4, and a block runs the second level over
-    every group that some row of it needs; each row's result must still be its own alone."""
-    w = cpu_kernels.pack_q4(*_codes(n, k, seed=k))
-    x = _with_outliers(11, k, seed=n).bfloat16()
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_row_does_not_depend_on_the_rows_batched_with_it(n: int, k: int, bits: int) -> None:
+    """Rows share passes over the weights in blocks of 8, and a block runs the second level over
+    every group that some row of it needs; each row's result must still be its own alone, and the
+    same whatever the batch size or the split into chunks (greedy determinism rests on it)."""
+    codes, scale, zero = _codes(n, k, seed=k)
+    w = cpu_kernels.pack_q4(codes, scale, zero) if bits == 4 else cpu_kernels.pack_q8(torch.randn(n, k) * 0.05)
+    x = _with_outliers(200, k, seed=n).bfloat16()
     batched = cpu_kernels.linear(x, w)
     for i in range(len(x)):
         assert torch.equal(batched[i], cpu_kernels.linear(x[i:i + 1], w)[0]), f"row {i}"
+    for cut in (7, 25, 64):  # chunked as a prefill would be, or a decode step beside it
+        parts = [cpu_kernels.linear(x[a:a + cut], w) for a in range(0, len(x), cut)]
+        assert torch.equal(torch.cat(parts), batched), f"chunks of {cut}"
 
 
 def test_a_zero_group_stays_zero() -> None:

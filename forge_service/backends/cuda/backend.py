@@ -48,6 +48,9 @@ class CudaBackend:
     def pack_linear(self, weight: torch.Tensor, int4: Int4Weight | None, int8_rows: bool) -> None:
         return None  # the GEMMs read the dense weight
 
+    def needs_dense(self, packed: None) -> bool:
+        return True
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, packed: None) -> torch.Tensor:
         return self.gemm(x, weight)
 
