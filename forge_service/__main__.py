@@ -25,6 +25,9 @@ ENGINE_FLAGS = [
     ("--enable-prefix-caching", "enable_prefix_caching", _bool,
      "share the KV of identical prompt prefixes across requests (true/false; default true)"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget per step"),
+    ("--max-tokens-while-decoding", "max_tokens_while_decoding", int,
+     "while requests decode, a step's decodes plus prefill chunks stay under this (bounds inter-token "
+     "latency under long prompts; 0: no bound)"),
     ("--max-num-seqs", "max_num_seqs", int, "most requests running at once"),
     ("--max-waiting", "max_waiting", int, "most requests waiting; past it RESOURCE_EXHAUSTED (0: unbounded)"),
     ("--max-grammar-bytes", "max_grammar_bytes", int,

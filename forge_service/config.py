@@ -35,6 +35,11 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 512
+    # While requests are decoding, prefill chunks get only what is left of this many tokens after
+    # the step's decodes (at least one KV block's worth): a long prompt then delays running streams
+    # by a bounded step, not by a whole max_num_batched_tokens chunk. Prefills alone use the full
+    # budget. 0: no such bound.
+    max_tokens_while_decoding: int = 128
     max_num_seqs: int = 64
     # Bound on waiting requests; past it, new requests are refused. 0 means unbounded.
     max_waiting: int = 256

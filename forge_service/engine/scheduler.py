@@ -75,11 +75,23 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        prefill_room = self._prefill_room()
+        budget, prefill_room = self._schedule_running(out, self.config.max_num_batched_tokens, prefill_room)
         # After a preemption memory is tight: admitting now would only thrash.
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, min(budget, prefill_room))
         return out
+
+    def _prefill_room(self) -> int:
+        """How many prompt tokens this step may prefill. A step costs about its token count, and
+        every decoding stream waits for it: while streams decode, prefill chunks get what is left
+        of max_tokens_while_decoding after them, and at least a block's worth so that new requests
+        still start under a full batch of decodes."""
+        limit = self.config.max_tokens_while_decoding
+        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        if not decodes or not limit:
+            return self.config.max_num_batched_tokens
+        return max(self.kv.block_size, limit - decodes)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance the scheduled requests; append sampled tokens. Returns requests that got a token."""
@@ -137,12 +149,17 @@ class Scheduler:
         request.status = status
         return request
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefill_room: int) -> tuple[int, int]:
+        """Schedule the running requests: decodes (with drafts), and prefill chunks of up to
+        `prefill_room` tokens in all. Returns what is left of the budget and of that room."""
         i = 0
         drafts_left, worth = self._draft_room()
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if n > 1:
+                n = min(n, prefill_room)
+                prefill_room -= n
             if n > 0:
                 block_ids = self._allocate_or_preempt(request, n, out)
                 if block_ids is None:
@@ -154,7 +171,7 @@ class Scheduler:
                 out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n + len(draft), block_ids, draft))
                 budget -= n + len(draft)
             i += 1
-        return budget
+        return budget, prefill_room
 
     def _draft_room(self) -> tuple[int, float]:
         """The most tokens this step may draft, and what a verified position must yield to pay for

@@ -288,3 +288,38 @@ def test_simulated_loop_with_a_tiny_pool_loses_nothing():
     assert {r.request_id: r.output_token_ids for r in finished} == expected
     assert sum(r.num_preemptions for r in requests) > 0
     assert sched.kv.num_free_blocks == 10
+
+
+def test_while_streams_decode_prefill_chunks_get_what_is_left_of_a_bounded_step():
+    config = SchedulerConfig(max_num_batched_tokens=512, max_tokens_while_decoding=40)
+    sched = Scheduler(config, KVCacheManager(400, 4))
+    for rid in "abc":
+        sched.add(make_request(rid, 5, max_tokens=3))
+    out, _ = step(sched)
+    assert out.num_tokens == 15  # nothing decodes yet: prefills take the full budget
+    sched.add(make_request("long", 300, max_tokens=2))
+    out, _ = step(sched)
+    assert plan(out) == [("a", 5, 1), ("b", 5, 1), ("c", 5, 1), ("long", 0, 37)]  # 40 - 3 decodes
+    out, _ = step(sched)
+    assert plan(out) == [("a", 6, 1), ("b", 6, 1), ("c", 6, 1), ("long", 37, 37)]
+    out, _ = step(sched)  # a, b, c finished with max_tokens: the long prompt runs alone again
+    assert plan(out) == [("long", 74, 226)]
+
+
+def test_a_full_batch_of_decodes_still_lets_a_block_of_prompt_in():
+    config = SchedulerConfig(max_num_batched_tokens=512, max_tokens_while_decoding=40)
+    sched = Scheduler(config, KVCacheManager(400, 4))
+    for i in range(50):
+        sched.add(make_request(f"d{i}", 2, max_tokens=10))
+    step(sched)
+    sched.add(make_request("new", 30))
+    out, _ = step(sched)
+    assert plan(out)[-1] == ("new", 0, 4)  # one block, though 50 decodes exceed the bound
+    unbounded = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_tokens_while_decoding=0),
+                          KVCacheManager(400, 4))
+    for i in range(50):
+        unbounded.add(make_request(f"d{i}", 2, max_tokens=10))
+    step(unbounded)
+    unbounded.add(make_request("new", 30))
+    out, _ = step(unbounded)
+    assert plan(out)[-1] == ("new", 0, 30)
