@@ -1,14 +1,18 @@
 """Online serving benchmark: streaming load against the OpenAI gateway.
 
-For each concurrency level (default 1, 8, 16), `concurrency` clients send streaming requests
-back to back until --num-requests are done; the run is repeated --repeats times. Reported:
-TTFT and inter-token latency (ITL: gaps between content chunks) p50/p99 over all requests of
-all repeats, TPOT p50 ((latency - TTFT) / (tokens - 1)), output tokens/s (median over repeats),
-and errors. Prints a table, writes JSON, and records the machine the client ran on. Each prompt
-starts with its own request number, so prefix caching cannot skip its prefill (--same-prompt
-sends one prompt to all).
+For each concurrency level (default 1, 4, 16, 32, 64), `concurrency` clients send streaming
+requests back to back until --num-requests are done; the run is repeated --repeats times.
+Reported: TTFT and inter-token latency (ITL: gaps between content chunks) p50/p99 over all
+requests of all repeats, TPOT p50 ((latency - TTFT) / (tokens - 1)), output tokens/s (median over
+repeats), and errors. Prints a table, writes JSON, and records the machine the client ran on.
 
-    python bench/serve.py --url http://127.0.0.1:8000 --max-tokens 64 --concurrency 1,8,16
+Each prompt is its own: about --prompt-words words drawn from a fixed vocabulary in an order
+seeded by the request's number, so prompts share no prefix beyond the chat template and
+prefix caching cannot skip their prefill (--same-prompt sends one prompt to all). A large
+--prompt-words makes a prefill-heavy load.
+
+    python bench/serve.py --url http://127.0.0.1:8000 --endpoint chat --max-tokens 128
+    python bench/serve.py --endpoint chat --prompt-words 1000 --concurrency 8 --num-requests 16 --max-tokens 64
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import asyncio
 import itertools
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -29,7 +34,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import machine, write_report  # noqa: E402
 
-# A fixed, model-independent prompt; its token count comes back in usage.prompt_tokens.
+# The words every prompt is drawn from (model-independent); token counts come back in usage.prompt_tokens.
 BASE_PROMPT = ("The history of the printing press begins in the fifteenth century, when movable type "
                "changed how knowledge spread across Europe. ")
 
@@ -48,13 +53,18 @@ class Sample:
 def request_bodies(args: argparse.Namespace, model: str) -> tuple[str, Callable[[], dict[str, Any]]]:
     """The endpoint, and a function giving each request's body. Unless --same-prompt, every
     prompt starts with its own request number, so no request reuses another's KV cache."""
-    words = (BASE_PROMPT * (args.prompt_words // len(BASE_PROMPT.split()) + 1)).split()[: args.prompt_words]
+    vocabulary = BASE_PROMPT.split()
     common = {"model": model, "max_tokens": args.max_tokens, "stream": True, "temperature": 0.0,
               "ignore_eos": True, "stream_options": {"include_usage": True}}
     numbers = itertools.count()
 
+    def words(seed: int) -> list[str]:
+        pick = random.Random(seed)
+        return [pick.choice(vocabulary) for _ in range(args.prompt_words)]
+
     def body() -> dict[str, Any]:
-        prompt = " ".join(words) if args.same_prompt else f"Request {next(numbers)}. " + " ".join(words[3:])
+        n = next(numbers)
+        prompt = " ".join(words(0)) if args.same_prompt else f"Request {n}. " + " ".join(words(n))
         if args.endpoint == "chat":
             return {**common, "messages": [{"role": "user", "content": prompt}]}
         return {**common, "prompt": prompt}
@@ -190,7 +200,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     parser.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
     parser.add_argument("--api-key", default=os.environ.get("FORGE_API_KEY"))
-    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16])
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 32, 64])
     parser.add_argument("--num-requests", type=int, default=0, help="per run (default: 4 x concurrency, >= 8)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
