@@ -40,6 +40,43 @@ class Int4Weight:
 
 
 @dataclass
+class Int8Weight:
+    """A checkpoint's 5- to 8-bit weight as int8 codes: w[n, k] ~ codes[n, k] * scale[n, k // 32].
+    Exact for Q8_0; Q6_K and Q5_K are re-quantised to it (one scale per 32 inputs, error at most
+    half a step of 1/127 of the group's largest weight)."""
+
+    codes: torch.Tensor  # [N, K] int8 in -127..127
+    scale: torch.Tensor  # [N, K / 32] float32, each exact in fp16
+
+    @staticmethod
+    def cat(parts: list[Int8Weight]) -> Int8Weight:
+        """Stack along the output dimension (fusing Q/K/V or gate/up)."""
+        return Int8Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale")))
+
+    def rows(self, index: torch.Tensor) -> Int8Weight:
+        return Int8Weight(self.codes[index], self.scale[index])
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> Int8Weight:
+        """Symmetric int8 per group of 32 inputs of a dense [N, K] weight: scale = amax / 127,
+        rounded to fp16 (the kernels' scale format) before the codes are rounded against it."""
+        n, k = weight.shape
+        groups = weight.float().view(n, k // INT4_GROUP, INT4_GROUP)
+        scale = (groups.abs().amax(dim=-1) / 127).half().float()  # [N, K / 32]
+        divisor = scale.masked_fill(scale == 0, 1)[..., None]
+        codes = torch.round(groups / divisor).clamp(-127, 127).to(torch.int8).view(n, k)
+        return Int8Weight(codes, scale)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        return (self.codes.float().view(n, k // INT4_GROUP, INT4_GROUP) * self.scale[..., None]).view(n, k)
+
+
+# The quantised forms a checkpoint may carry beside a dense weight.
+QuantCodes = Int4Weight | Int8Weight
+
+
+@dataclass
 class PrefillSeq:
     """A chunk of q_len > 1 tokens of one sequence, at rows [q_start, q_end) of the flat batch."""
 
@@ -93,10 +130,11 @@ class Backend(Protocol):
     device: torch.device  # where the weights, the KV cache and the step's inputs live
 
     # ---- weights ----
-    def pack_linear(self, weight: torch.Tensor, int4: Int4Weight | None, int8_rows: bool) -> Any:
+    def pack_linear(self, weight: torch.Tensor, codes: QuantCodes | None, int8_rows: bool) -> Any:
         """The form of a linear layer's weight [N, K] that this backend's kernels read besides the
-        dense one, or None when the dense weight is all it needs. `int4` is the checkpoint's own
-        4-bit form where it has one; `int8_rows` allows a per-row int8 copy for small batches."""
+        dense one, or None when the dense weight is all it needs. `codes` is the checkpoint's own
+        4-bit or 8-bit form where it has one; `int8_rows` allows an int8 copy of a dense weight (the
+        lm_head, whose leading logits the model recomputes in fp32)."""
         ...
 
     def needs_dense(self, packed: Any) -> bool:

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from forge_service.backends import cpu_kernels, cpu_linear, torch_ref
-from forge_service.backends.base import AttentionMetadata, Forward, Int4Weight
+from forge_service.backends.base import AttentionMetadata, Forward, QuantCodes
 from forge_service.backends.cpu_linear import CpuWeight
 from forge_service.sampling import Sampler
 
@@ -25,8 +25,8 @@ class CpuBackend:
 
     # ---- weights ----
     @staticmethod
-    def pack_linear(weight: torch.Tensor, int4: Int4Weight | None, int8_rows: bool) -> CpuWeight | None:
-        return cpu_linear.pack(weight, int4, int8_rows)
+    def pack_linear(weight: torch.Tensor, codes: QuantCodes | None, int8_rows: bool) -> CpuWeight | None:
+        return cpu_linear.pack(weight, codes, int8_rows)
 
     @staticmethod
     def needs_dense(packed: CpuWeight | None) -> bool:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from forge_service.backends.base import Int8Weight
+
 log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).resolve().parents[2] / "native" / "cpu").glob("*.c"))
@@ -132,13 +134,15 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Qua
 
 def pack_q8(weight: torch.Tensor) -> QuantWeight:
     """Symmetric int8 with an fp16 scale per group of 32 inputs, from a dense [N, K] weight."""
-    n, k = weight.shape
-    groups = weight.float().view(n, k // GROUP, GROUP)
-    scale = (groups.abs().amax(dim=-1) / 127).half()  # [N, K / 32]
-    divisor = scale.float().masked_fill(scale == 0, 1)[..., None]
-    codes = (torch.round(groups / divisor).clamp(-127, 127).to(torch.int16) + 128).to(torch.uint8).view(n, k)
-    return QuantWeight(8, (n, k), _chunks(codes).reshape(n // TILE, k // GROUP, -1).contiguous(),
-                       _tiled(scale.float()), None)
+    return pack_q8_codes(Int8Weight.quantize(weight))
+
+
+def pack_q8_codes(w: Int8Weight) -> QuantWeight:
+    """From int8 codes and fp16-exact scales per group of 32 (w = codes * scale)."""
+    n, k = w.codes.shape
+    codes = (w.codes.to(torch.int16) + 128).to(torch.uint8)
+    return QuantWeight(8, (n, k), _chunks(codes).reshape(n // TILE, k // GROUP, -1).contiguous(), _tiled(w.scale),
+                       None)
 
 
 def dequantize(w: QuantWeight) -> torch.Tensor:

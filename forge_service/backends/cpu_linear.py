@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from forge_service.backends import cpu_kernels
-from forge_service.backends.base import INT4_GROUP, Int4Weight
+from forge_service.backends.base import INT4_GROUP, Int4Weight, Int8Weight, QuantCodes
 
 # Without the native kernels: up to this many rows torch's 4-bit kernel beats the bf16 GEMM
 # (5x at 1 row, 1.3x at 16, 1.1x at 24, slower from 32).
@@ -44,23 +44,26 @@ class CpuWeight:
     int8_scale: torch.Tensor | None = None
 
 
-def pack(weight: torch.Tensor, int4: Int4Weight | None, int8_rows: bool) -> CpuWeight | None:
-    """The small-batch form of weight [N, K]: its 4-bit codes where the checkpoint has them (bf16,
-    whole groups), or with `int8_rows` an int8 copy (bf16); None where the dense GEMM serves alone."""
-    if int4 is not None and not int4_supported(weight):
-        int4 = None
-    int8_rows = int8_rows and weight.dtype == torch.bfloat16
-    if int4 is None and not int8_rows:
+def pack(weight: torch.Tensor, codes: QuantCodes | None, int8_rows: bool) -> CpuWeight | None:
+    """The quantised form of weight [N, K] in bf16: the checkpoint's 4-bit or 8-bit codes where it
+    has them, or with `int8_rows` an int8 copy (one activation level); None where the dense GEMM
+    serves alone (fp32, the reference, always)."""
+    if weight.dtype != torch.bfloat16:
         return None
-    out = CpuWeight(levels=1 if int8_rows else 2)
-    if cpu_kernels.supports(weight.shape):
-        out.native = (cpu_kernels.pack_q4(int4.codes, int4.scale, int4.zero) if int4 is not None
-                      else cpu_kernels.pack_q8(weight))
-    elif int4 is not None:
-        out.int4pack, out.scale_zeros = _pack(int4, weight.dtype)
-    else:
-        out.int8, out.int8_scale = _quantize_rows(weight)
-    return out
+    native = cpu_kernels.supports(weight.shape)
+    if isinstance(codes, Int4Weight) and int4_supported(weight):
+        if native:
+            return CpuWeight(native=cpu_kernels.pack_q4(codes.codes, codes.scale, codes.zero))
+        int4pack, scale_zeros = _pack(codes, weight.dtype)
+        return CpuWeight(int4pack=int4pack, scale_zeros=scale_zeros)
+    if isinstance(codes, Int8Weight) and native:  # without the native kernels: the dense GEMM
+        return CpuWeight(native=cpu_kernels.pack_q8_codes(codes))
+    if int8_rows:
+        if native:
+            return CpuWeight(native=cpu_kernels.pack_q8(weight), levels=1)
+        int8, int8_scale = _quantize_rows(weight)
+        return CpuWeight(levels=1, int8=int8, int8_scale=int8_scale)
+    return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: CpuWeight | None) -> torch.Tensor:

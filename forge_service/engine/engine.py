@@ -89,11 +89,11 @@ class LLMEngine:
         self.tokenizer = tokenizer or Tokenizer.from_path(path)
         self.arch = ckpt.arch
         weights = {name: w.to(backend.device) for name, w in ckpt.weights.items()}
-        # The 4-bit codes feed a CPU kernel; other devices multiply by the dequantised weights.
-        int4 = ckpt.int4 if backend.device.type == "cpu" else None
-        self.model = build_model(path, ckpt.arch, weights, backend, int4)
+        # The 4- and 8-bit codes feed CPU kernels; other devices multiply by the dequantised weights.
+        codes = {**ckpt.int4, **ckpt.int8} if backend.device.type == "cpu" else None
+        self.model = build_model(path, ckpt.arch, weights, backend, codes)
         # The model keeps what its kernels read; the loader's dense copies and codes go back to the OS.
-        del ckpt, weights, int4
+        del ckpt, weights, codes
         _return_freed_memory()
         self.max_model_len = min(config.model.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)

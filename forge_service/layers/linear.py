@@ -1,6 +1,6 @@
 """Linear layers: a dense weight, plus whatever other form of it the backend's kernels read.
 
-On the CPU that is the checkpoint's own 4-bit codes or an int8 copy of the lm_head
+On the CPU that is the checkpoint's own 4-bit or 8-bit codes, or an int8 copy of the lm_head
 (backends/cpu_linear.py), and where the native kernels take every batch size the dense weight is
 not kept at all; the CUDA backend's GEMMs read the dense weight alone.
 """
@@ -10,19 +10,19 @@ from typing import Any
 
 import torch
 
-from forge_service.backends.base import Backend, Int4Weight
+from forge_service.backends.base import Backend, QuantCodes
 
 
 class Linear:
-    """y = x @ W.T on `backend`. `int4` is the checkpoint's 4-bit form of W where it has one;
+    """y = x @ W.T on `backend`. `codes` is the checkpoint's 4-bit or 8-bit form of W where it has one;
     `int8_rows` allows an int8 copy for small batches (the lm_head, whose leading logits the model
     recomputes in fp32). The backend decides what it keeps of either."""
 
-    def __init__(self, backend: Backend, weight: torch.Tensor, int4: Int4Weight | None = None,
+    def __init__(self, backend: Backend, weight: torch.Tensor, codes: QuantCodes | None = None,
                  int8_rows: bool = False) -> None:
         self.backend = backend
         self.shape = tuple(weight.shape)  # [N, K]
-        self.packed: Any = backend.pack_linear(weight, int4, int8_rows)  # None: the dense weight alone
+        self.packed: Any = backend.pack_linear(weight, codes, int8_rows)  # None: the dense weight alone
         # [N, K] in the compute dtype, or None where the backend never reads it (no second copy)
         self.weight = weight if backend.needs_dense(self.packed) else None
 

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from forge_service.backends.base import Int4Weight
+from forge_service.backends.base import Int4Weight, Int8Weight
 from forge_service.errors import ModelLoadError
 from forge_service.models.arch import ArchConfig
 
@@ -28,6 +28,8 @@ class Checkpoint:
     # The 4-bit codes of weights the file stored in a 4-bit encoding (GGUF Q4_0/Q4_1/Q4_K), kept
     # beside their dequantised copies when the compute dtype is bfloat16.
     int4: dict[str, Int4Weight] = field(default_factory=dict)
+    # Likewise the int8 codes of weights stored at 5 to 8 bits (Q8_0 exactly; Q6_K, Q5_K re-quantised).
+    int8: dict[str, Int8Weight] = field(default_factory=dict)
 
 
 def expected_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:

@@ -8,10 +8,11 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from forge_service.backends.base import Int4Weight
+from forge_service.backends.base import Int4Weight, Int8Weight
 from forge_service.errors import ModelLoadError
 from forge_service.loaders.common import ROPE_FREQ_FACTORS, Checkpoint, check_arch, check_tensors
 from forge_service.loaders.gguf_int4 import INT4_TYPES, int4_weight
+from forge_service.loaders.gguf_int8 import INT8_TYPES, int8_weight
 from forge_service.models.arch import ArchConfig
 
 # general.architecture -> model registry key.
@@ -99,9 +100,10 @@ def load_gguf(path: str, dtype: torch.dtype) -> Checkpoint:
     weights = {name: _decode(t, name, arch, dtype) for name, t in tensors.items()}
     if arch.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-    int4 = {name: _int4(t, name, arch) for name, t in tensors.items()
-            if dtype == torch.bfloat16 and t.tensor_type in INT4_TYPES and name.endswith("proj.weight")}
-    return Checkpoint(path=path, format="gguf", arch=arch, weights=weights, int4=int4)
+    projections = {name: t for name, t in tensors.items() if dtype == torch.bfloat16 and name.endswith("proj.weight")}
+    int4 = {name: _codes(int4_weight, t, name, arch) for name, t in projections.items() if t.tensor_type in INT4_TYPES}
+    int8 = {name: _codes(int8_weight, t, name, arch) for name, t in projections.items() if t.tensor_type in INT8_TYPES}
+    return Checkpoint(path=path, format="gguf", arch=arch, weights=weights, int4=int4, int8=int8)
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
@@ -240,9 +242,11 @@ def _decode(t: gguf.ReaderTensor, name: str, arch: ArchConfig, dtype: torch.dtyp
     return w.to(dtype).contiguous()
 
 
-def _int4(t: gguf.ReaderTensor, name: str, arch: ArchConfig) -> Int4Weight:
+def _codes(read: Callable[[np.ndarray, QType, int, int], Int4Weight | Int8Weight], t: gguf.ReaderTensor, name: str,
+           arch: ArchConfig) -> Int4Weight | Int8Weight:
+    """A projection's quantised codes, read by `read`, in HF row order."""
     rows, cols = reversed(t.shape.tolist())
-    w = int4_weight(t.data, t.tensor_type, rows, cols)
+    w = read(t.data, t.tensor_type, rows, cols)
     if name.endswith("q_proj.weight"):
         return w.rows(unpermute_qk(torch.arange(rows), arch.num_heads))
     if name.endswith("k_proj.weight"):

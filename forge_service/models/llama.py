@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forge_service.backends.base import AttentionMetadata, Backend, Int4Weight
+from forge_service.backends.base import AttentionMetadata, Backend, Int4Weight, Int8Weight, QuantCodes
 from forge_service.layers.linear import Linear
 from forge_service.layers.rotary import RotaryEmbedding
 from forge_service.models.arch import ArchConfig
@@ -29,7 +29,7 @@ class LlamaModel:
     """Weights plus a forward; knows nothing of requests, only of a flat token batch."""
 
     def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], backend: Backend,
-                 int4: dict[str, Int4Weight] | None = None) -> None:
+                 codes: dict[str, QuantCodes] | None = None) -> None:
         self.arch = arch
         self.backend = backend
         self.dtype = weights["model.embed_tokens.weight"].dtype
@@ -39,24 +39,25 @@ class LlamaModel:
         self.lm_head_weight = weights.get("lm_head.weight", self.embed)
         self.lm_head = Linear(backend, self.lm_head_weight, int8_rows=True)
         self.norm = weights["model.norm.weight"]
-        self.layers = [self._layer(weights, int4 or {}, i) for i in range(arch.num_layers)]
+        self.layers = [self._layer(weights, codes or {}, i) for i in range(arch.num_layers)]
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                       arch.rope_scaling, weights.get("model.rope_freq_factors"))
         self.scale = arch.head_dim ** -0.5
         # The CPU backend runs a whole decode step's layers in one native call where it can.
         self.decode_plan = backend.decode_plan(self.layers, arch, self.scale)
 
-    def _layer(self, w: dict[str, torch.Tensor], int4: dict[str, Int4Weight], i: int) -> LlamaLayer:
+    def _layer(self, w: dict[str, torch.Tensor], codes: dict[str, QuantCodes], i: int) -> LlamaLayer:
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
 
         def linear(*names: str) -> Linear:
-            # Fused when several; the 4-bit form only when every part has one.
+            # Fused when several; the quantised form only when every part has one of the same kind.
             weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
-            parts = [int4.get(n) for n in names]
-            if None in parts:
+            parts = [codes.get(n) for n in names]
+            kind = type(parts[0])
+            if kind not in (Int4Weight, Int8Weight) or any(type(p) is not kind for p in parts):
                 return Linear(self.backend, weight)
-            return Linear(self.backend, weight, Int4Weight.cat(parts) if len(parts) > 1 else parts[0])
+            return Linear(self.backend, weight, kind.cat(parts) if len(parts) > 1 else parts[0])
 
         return LlamaLayer(
             input_norm=w[p + "input_layernorm.weight"],

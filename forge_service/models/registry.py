@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from forge_service.backends.base import Int4Weight
+from forge_service.backends.base import QuantCodes
 from forge_service.errors import ModelLoadError
 from forge_service.models.arch import ArchConfig
 from forge_service.models.llama import LlamaModel
@@ -14,7 +14,7 @@ MODELS = {
 
 
 def build_model(path: str, arch: ArchConfig, weights: dict[str, torch.Tensor], backend,
-                int4: dict[str, Int4Weight] | None = None):
+                codes: dict[str, QuantCodes] | None = None):
     if arch.architecture not in MODELS:
         raise ModelLoadError(path, f"unsupported architecture {arch.architecture!r}; supported: {sorted(MODELS)}")
-    return MODELS[arch.architecture](arch, weights, backend, int4)
+    return MODELS[arch.architecture](arch, weights, backend, codes)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from forge_service.backends import cpu_kernels
+from forge_service.backends.base import Int8Weight
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None,
                                 reason="the native CPU kernels cannot run on this machine")
@@ -88,6 +89,14 @@ def test_q4_linear_computes_its_quantised_product(n: int, k: int, rows: int) -> 
         assert _rel(one_level, exact) > 2 * _rel(got, exact)
     bf16 = cpu_kernels.linear(x.bfloat16(), w)
     assert bf16.dtype == torch.bfloat16 and _rel(bf16, _activations(x.bfloat16()) @ dense) < 4e-3  # bf16 output
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_q8_packing_keeps_a_checkpoint_s_int8_codes(n: int, k: int) -> None:
+    """Q8_0 codes (and Q6_K/Q5_K re-quantised to int8) go into the kernels' layout unchanged."""
+    w = Int8Weight.quantize(torch.randn(n, k) * 0.05)
+    assert w.codes.abs().max() == 127
+    assert torch.equal(cpu_kernels.dequantize(cpu_kernels.pack_q8_codes(w)), w.dequantize())
 
 
 @pytest.mark.parametrize("n,k", SHAPES)

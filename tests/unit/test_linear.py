@@ -44,6 +44,25 @@ def test_8bit_and_float_tensors_have_no_4bit_codes(tmp_path: Path) -> None:
     for qtype in ("Q8_0", "F16"):
         assert load_checkpoint(write_gguf(tmp_path / f"{qtype}.gguf", ARCH, WEIGHTS, qtype=qtype),
                                torch.bfloat16).int4 == {}
+    assert load_checkpoint(tmp_path / "F16.gguf", torch.bfloat16).int8 == {}
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q5_K"])
+def test_5_to_8_bit_tensors_give_int8_codes(tmp_path: Path, qtype: str) -> None:
+    arch, weights = (ARCH, WEIGHTS) if qtype == "Q8_0" else (K_ARCH, K_WEIGHTS)
+    path = write_gguf(tmp_path / "m.gguf", arch, weights, qtype=qtype)
+    dense = load_checkpoint(path, torch.float32)
+    coded = load_checkpoint(path, torch.bfloat16)
+    assert dense.int8 == {} and coded.int4 == {}
+    names = {n for n in dense.weights if n.split(".")[-2] in PROJECTIONS}
+    assert set(coded.int8) == names
+    for name in names:  # in HF row order (Q/K unpermuted), Q8_0 exactly, the K-quants within half a step
+        w, want = coded.int8[name], dense.weights[name]
+        step = w.scale.repeat_interleave(32, dim=1)
+        if qtype == "Q8_0":
+            assert torch.equal(w.dequantize(), want), name
+        else:
+            assert ((w.dequantize() - want).abs() <= step / 2 * 1.001).all(), name
 
 
 def _int4_weight(n: int, k: int) -> Int4Weight:
@@ -121,15 +140,20 @@ def test_int8_rows_stay_close_to_the_dense_product(kernels: str) -> None:
         assert (linear(x).float() - want).abs().max() < 0.02 * want.abs().max()
 
 
-def test_bf16_engine_on_a_q4_1_file_decodes_with_its_codes_and_tracks_fp32(tmp_path: Path, kernels: str) -> None:
-    path = str(write_gguf(tmp_path / "m.gguf", ARCH, WEIGHTS, qtype="Q4_1"))
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_bf16_engine_on_a_quantised_file_computes_with_its_codes_and_tracks_fp32(tmp_path: Path, kernels: str,
+                                                                                 qtype: str) -> None:
+    path = str(write_gguf(tmp_path / "m.gguf", ARCH, WEIGHTS, qtype=qtype))
     fast = LLM(model=path, dtype="bfloat16")
     model = fast.engine.model
     small = [model.lm_head] + [linear for layer in model.layers for linear in (layer.qkv, layer.down)]
     if kernels == "native":
-        assert all(linear.packed.native is not None for linear in small)
-    else:
+        assert all(linear.packed.native is not None and linear.weight is None for linear in small)
+        assert {linear.packed.native.bits for linear in small[1:]} == {4 if qtype == "Q4_1" else 8}
+    elif qtype == "Q4_1":
         assert all(linear.packed.int4pack is not None for linear in small[1:]) and model.lm_head.packed.int8 is not None
+    else:  # no torch kernel for int8 groups: the dense GEMM
+        assert all(linear.packed is None for linear in small[1:])
     reference = LLM(model=path, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     prompt = [[5, 17, 40, 99, 120, 7]]

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from forge_service.backends import torch_ref
-from forge_service.backends.base import AttentionMetadata, Forward, Int4Weight
+from forge_service.backends.base import AttentionMetadata, Forward, QuantCodes
 from forge_service.backends.cuda import activation, cache, decode_attention, norm, prefill_attention, rotary
 from forge_service.backends.cuda.driver import INSTALL_HINT, bindings
 from forge_service.backends.cuda.gemm import GemmTuner
@@ -45,7 +45,7 @@ class CudaBackend:
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     # ---- weights ----
-    def pack_linear(self, weight: torch.Tensor, int4: Int4Weight | None, int8_rows: bool) -> None:
+    def pack_linear(self, weight: torch.Tensor, codes: QuantCodes | None, int8_rows: bool) -> None:
         return None  # the GEMMs read the dense weight
 
     def needs_dense(self, packed: None) -> bool:
