@@ -59,3 +59,27 @@ def test_seeded_sampling_is_batch_invariant(llm_fp32, prompts):
     other = together(llm_fp32, prompts, lambda i: SamplingParams(temperature=1.0, seed=7 + i,
                                                                    max_tokens=MAX_TOKENS, ignore_eos=True))
     assert other != alone
+
+
+def _tokens_and_logprobs(llm: LLM, prompts, together_: bool, cached: list[int] | None = None
+                         ) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, params) if together_ else [llm.generate([p], params)[0] for p in prompts]
+    if cached is not None:
+        cached += [o.num_cached_tokens for o in outs]
+    return [(o.outputs[0].token_ids, [pos[0].logprob for pos in o.outputs[0].logprobs]) for o in outs]
+
+
+def test_bf16_rows_are_bit_identical_whatever_shares_the_step_or_cuts_the_prompt(prompts):
+    """The default bf16 path (native GEMMs at every batch size, the fused decode, the int8
+    lm_head): each prompt alone, all 16 together, and prefilled 7 tokens a step beside the
+    decodes, give the same tokens and the same logprobs to the bit; so does a prefix-cache hit."""
+    alone = _tokens_and_logprobs(LLM(dtype="bfloat16", enable_prefix_caching=False), prompts, together_=False)
+    batched = LLM(dtype="bfloat16", enable_prefix_caching=False)
+    assert _tokens_and_logprobs(batched, prompts, together_=True) == alone
+    chunked = LLM(dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=7)
+    assert _tokens_and_logprobs(chunked, prompts, together_=True) == alone
+    cached, hits = LLM(dtype="bfloat16"), []
+    _tokens_and_logprobs(cached, prompts, together_=True)
+    assert _tokens_and_logprobs(cached, prompts, together_=False, cached=hits) == alone
+    assert sum(hits) > 0 and max(hits) >= 16  # the second pass reused whole blocks and recomputed the tails
