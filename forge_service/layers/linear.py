@@ -15,7 +15,7 @@ from forge_service.backends.base import Backend, QuantCodes
 
 class Linear:
     """y = x @ W.T on `backend`. `codes` is the checkpoint's 4-bit or 8-bit form of W where it has one;
-    `int8_rows` allows an int8 copy for small batches (the lm_head, whose leading logits the model
+    `int8_rows` allows an int8 copy of a dense W (the lm_head, whose leading logits the model
     recomputes in fp32). The backend decides what it keeps of either."""
 
     def __init__(self, backend: Backend, weight: torch.Tensor, codes: QuantCodes | None = None,
