@@ -66,7 +66,7 @@ def pack(weight: torch.Tensor, codes: QuantCodes | None, int8_rows: bool) -> Cpu
     return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: CpuWeight | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: CpuWeight | None) -> torch.Tensor:
     # x: [T, K] -> [T, N]
     rows = x.shape[0]
     if packed is not None:

@@ -51,12 +51,16 @@ class LlamaModel:
         attn, mlp = p + "self_attn.", p + "mlp."
 
         def linear(*names: str) -> Linear:
-            # Fused when several; the quantised form only when every part has one of the same kind.
+            # Fused when several. Parts quantised alike keep their codes; parts of mixed kinds (a
+            # Q4_K_M file's Q4_K q/k beside a Q6_K v) are re-quantised to int8 per 32 inputs
+            # together, within half a step of the file's values; unquantised parts stay dense.
             weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
             parts = [codes.get(n) for n in names]
             kind = type(parts[0])
-            if kind not in (Int4Weight, Int8Weight) or any(type(p) is not kind for p in parts):
+            if None in parts:
                 return Linear(self.backend, weight)
+            if any(type(p) is not kind for p in parts):
+                return Linear(self.backend, weight, Int8Weight.quantize(weight))
             return Linear(self.backend, weight, kind.cat(parts) if len(parts) > 1 else parts[0])
 
         return LlamaLayer(

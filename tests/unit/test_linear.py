@@ -15,7 +15,7 @@ from forge_service.backends.cpu import CpuBackend
 from forge_service.backends.cpu_linear import INT4_MAX_ROWS, INT8_MAX_ROWS
 from forge_service.layers.linear import Linear
 from forge_service.llm import LLM
-from forge_service.loaders import load_checkpoint
+from forge_service.loaders import Checkpoint, load_checkpoint
 from forge_service.engine.request import SamplingParams
 from tests.tiny_models import random_weights, tiny_arch, write_gguf
 
@@ -27,15 +27,22 @@ CPU = CpuBackend()
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
-def test_4bit_codes_reproduce_the_dequantised_weights_exactly(tmp_path: Path, qtype: str) -> None:
-    arch, weights = (K_ARCH, K_WEIGHTS) if qtype == "Q4_K" else (ARCH, WEIGHTS)
+def _dense_and_coded(tmp_path: Path, qtype: str) -> tuple[Checkpoint, Checkpoint, set[str]]:
+    """A tiny model written in `qtype`, loaded in fp32 (the reference) and in bf16, and the names
+    of its projections."""
+    arch, weights = (K_ARCH, K_WEIGHTS) if qtype.endswith("_K") else (ARCH, WEIGHTS)  # K-quant rows: 256s
     path = write_gguf(tmp_path / "m.gguf", arch, weights, qtype=qtype)
     dense = load_checkpoint(path, torch.float32)
-    coded = load_checkpoint(path, torch.bfloat16)
-    assert dense.int4 == {}  # fp32 is the reference: no 4-bit path
     names = {n for n in dense.weights if n.split(".")[-2] in PROJECTIONS}
-    assert set(coded.int4) == names and len(names) == 7 * arch.num_layers
+    assert len(names) == 7 * arch.num_layers
+    return dense, load_checkpoint(path, torch.bfloat16), names
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_4bit_codes_reproduce_the_dequantised_weights_exactly(tmp_path: Path, qtype: str) -> None:
+    dense, coded, names = _dense_and_coded(tmp_path, qtype)
+    assert dense.int4 == {}  # fp32 is the reference: no 4-bit path
+    assert set(coded.int4) == names
     for name in names:  # the Q/K row permutation is undone on codes, scales and zeros alike
         assert torch.equal(coded.int4[name].dequantize(), dense.weights[name]), name
 
@@ -49,12 +56,8 @@ def test_8bit_and_float_tensors_have_no_4bit_codes(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q5_K"])
 def test_5_to_8_bit_tensors_give_int8_codes(tmp_path: Path, qtype: str) -> None:
-    arch, weights = (ARCH, WEIGHTS) if qtype == "Q8_0" else (K_ARCH, K_WEIGHTS)
-    path = write_gguf(tmp_path / "m.gguf", arch, weights, qtype=qtype)
-    dense = load_checkpoint(path, torch.float32)
-    coded = load_checkpoint(path, torch.bfloat16)
+    dense, coded, names = _dense_and_coded(tmp_path, qtype)
     assert dense.int8 == {} and coded.int4 == {}
-    names = {n for n in dense.weights if n.split(".")[-2] in PROJECTIONS}
     assert set(coded.int8) == names
     for name in names:  # in HF row order (Q/K unpermuted), Q8_0 exactly, the K-quants within half a step
         w, want = coded.int8[name], dense.weights[name]
@@ -163,3 +166,20 @@ def test_bf16_engine_on_a_quantised_file_computes_with_its_codes_and_tracks_fp32
     assert a.token_ids[:3] == b.token_ids[:3]
     diffs = [abs(x[0].logprob - y[0].logprob) for x, y in zip(a.logprobs[:3], b.logprobs[:3])]
     assert max(diffs) < 0.05, diffs
+
+
+def test_a_projection_fused_from_mixed_quantisations_runs_on_int8_codes(tmp_path: Path) -> None:
+    """A Q4_K_M-style file: Q4_K q/k beside a Q6_K v. The fused qkv is re-quantised to int8 per 32
+    inputs, so no dense copy is kept and the fused decode still runs every layer."""
+    if cpu_kernels.library() is None:
+        pytest.skip("the native CPU kernels cannot run on this machine")
+    overrides = {f"model.layers.{i}.self_attn.v_proj.weight": "Q6_K" for i in range(K_ARCH.num_layers)}
+    path = str(write_gguf(tmp_path / "m.gguf", K_ARCH, K_WEIGHTS, qtype="Q4_K", tensor_qtypes=overrides))
+    model = LLM(model=path, dtype="bfloat16").engine.model
+    reference = load_checkpoint(path, torch.float32).weights
+    assert model.decode_plan is not None
+    for i, layer in enumerate(model.layers):
+        assert layer.qkv.packed.native.bits == 8 and layer.qkv.weight is None
+        assert layer.gate_up.packed.native.bits == 4
+        want = torch.cat([reference[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"])
+        assert (cpu_kernels.dequantize(layer.qkv.packed.native) - want).abs().max() <= want.abs().max() / 127
