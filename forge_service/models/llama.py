@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forge_service.backends.base import AttentionMetadata, Backend, Int4Weight, Int8Weight, QuantCodes
+from forge_service.backends.base import AttentionMetadata, Backend, Int8Weight, QuantCodes
 from forge_service.layers.linear import Linear
 from forge_service.layers.rotary import RotaryEmbedding
 from forge_service.models.arch import ArchConfig
