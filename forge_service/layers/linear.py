@@ -21,7 +21,6 @@ class Linear:
     def __init__(self, backend: Backend, weight: torch.Tensor, codes: QuantCodes | None = None,
                  int8_rows: bool = False) -> None:
         self.backend = backend
-        self.shape = tuple(weight.shape)  # [N, K]
         self.packed: Any = backend.pack_linear(weight, codes, int8_rows)  # None: the dense weight alone
         # [N, K] in the compute dtype, or None where the backend never reads it (no second copy)
         self.weight = weight if backend.needs_dense(self.packed) else None

@@ -56,9 +56,9 @@ class LlamaModel:
             # together, within half a step of the file's values; unquantised parts stay dense.
             weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
             parts = [codes.get(n) for n in names]
-            kind = type(parts[0])
             if None in parts:
                 return Linear(self.backend, weight)
+            kind = type(parts[0])
             if any(type(p) is not kind for p in parts):
                 return Linear(self.backend, weight, Int8Weight.quantize(weight))
             return Linear(self.backend, weight, kind.cat(parts) if len(parts) > 1 else parts[0])
