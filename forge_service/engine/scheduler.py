@@ -75,20 +75,21 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        prefill_room = self._prefill_room()
-        budget, prefill_room = self._schedule_running(out, self.config.max_num_batched_tokens, prefill_room)
+        # Running requests with one token left to compute: this step's plain decodes.
+        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        budget, prefill_room = self._schedule_running(out, self.config.max_num_batched_tokens,
+                                                      self._prefill_room(decodes), decodes)
         # After a preemption memory is tight: admitting now would only thrash.
         if not out.preempted:
             self._schedule_waiting(out, min(budget, prefill_room))
         return out
 
-    def _prefill_room(self) -> int:
+    def _prefill_room(self, decodes: int) -> int:
         """How many prompt tokens this step may prefill. A step costs about its token count, and
         every decoding stream waits for it: while streams decode, prefill chunks get what is left
         of max_tokens_while_decoding after them, and at least a block's worth so that new requests
         still start under a full batch of decodes."""
         limit = self.config.max_tokens_while_decoding
-        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         if not decodes or not limit:
             return self.config.max_num_batched_tokens
         return max(self.kv.block_size, limit - decodes)
@@ -149,11 +150,12 @@ class Scheduler:
         request.status = status
         return request
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, prefill_room: int) -> tuple[int, int]:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefill_room: int,
+                          decodes: int) -> tuple[int, int]:
         """Schedule the running requests: decodes (with drafts), and prefill chunks of up to
         `prefill_room` tokens in all. Returns what is left of the budget and of that room."""
         i = 0
-        drafts_left, worth = self._draft_room()
+        drafts_left, worth = self._draft_room(decodes)
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -173,7 +175,7 @@ class Scheduler:
             i += 1
         return budget, prefill_room
 
-    def _draft_room(self) -> tuple[int, float]:
+    def _draft_room(self, decodes: int) -> tuple[int, float]:
         """The most tokens this step may draft, and what a verified position must yield to pay for
         its row. With M decode rows a step costs about (base + M) rows' worth (base: the cost that
         does not grow with rows, spec_step_base_rows), so a plain token costs (base + M) / M rows,
@@ -181,7 +183,6 @@ class Scheduler:
         drafting is nearly free for one stream and worth it only on near-certain drafts for many."""
         if self.proposer is None:
             return 0, 0.0
-        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         room = self.speculative.spec_max_step_tokens
         if self.max_decode_rows is not None:
             room = min(room, max(0, self.max_decode_rows - decodes))

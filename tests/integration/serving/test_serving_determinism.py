@@ -5,6 +5,7 @@ different chunks. It holds because every GEMM row runs the same native kernel wh
 size, and attention, norms and sampling work row by row (see native/cpu/quant_gemm.c)."""
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
@@ -53,18 +54,13 @@ def _together(client: openai.OpenAI, conversations: list[list[dict]]) -> list[li
 @pytest.fixture(scope="module")
 def fresh_server() -> Callable[[], ForgeProcess]:
     """Starts `forge serve` in its default configuration; each call a new one (a fresh history)."""
-    stack = []
+    with contextlib.ExitStack() as servers:
+        def start() -> ForgeProcess:
+            server = servers.enter_context(running_forge([*SERVER_THREADS, "--log-level", "warning"]))
+            server.wait_ready()
+            return server
 
-    def start() -> ForgeProcess:
-        context = running_forge([*SERVER_THREADS, "--log-level", "warning"])
-        server = context.__enter__()
-        stack.append(context)
-        server.wait_ready()
-        return server
-
-    yield start
-    for context in reversed(stack):
-        context.__exit__(None, None, None)
+        yield start
 
 
 @pytest.fixture(scope="module")
