@@ -34,8 +34,9 @@ FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vn
 GROUP = 32  # inputs per scale
 # With two activation levels, the second covers only the groups that hold one of the row's large
 # values: amax > FINE_ABOVE x the row's RMS. The first level's rounding error is amax / 254 per
-# value, so these groups carry most of it; in the default model's decode steps they are about 18%
-# of a row's groups (20-40% of a block of 4 rows'). See linear() for what it costs in fidelity.
+# value, so these groups carry most of it; in the default model's steps they are about a fifth of
+# a row's groups (a third to a half of a block of 8 rows' together: the kernels give the second
+# level to the rows that have it only). See linear() for what it costs in fidelity.
 FINE_ABOVE = 4.0
 TILE = 16  # weight rows per tile
 
