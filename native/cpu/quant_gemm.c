@@ -223,10 +223,15 @@ static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64
     float *xd = (float *)(a + levels * M * K), *xs = xd + M * groups;
     uint8_t *need = (uint8_t *)(xs + M * groups);
     quantize_rows(x, x_bf16, M, K, levels, fine_above, a, xd, xs, need);
+    /* Tiles go to threads in chunks as they free up, so that a thread held up (another process on
+     * its core) does not hold up the call; a call of one block of rows is too short to share out
+     * finer than the threads. */
+    const int64_t tiles = N / TILE, even = (tiles + threads - 1) / threads;
+    const int64_t chunk = M <= ROWS ? even : tiles / (8 * threads) > 1 ? tiles / (8 * threads) : 1;
     /* q4 is tested inside the parallel loop: OpenMP moves its body into a function of its own that
      * receives captured values at run time, so a test outside would leave it a variable there. */
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < N / TILE; t++) {
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
+    for (int64_t t = 0; t < tiles; t++) {
         if (q4)
             tile_rows(1, t, codes, wd16, wm16, a, xd, xs, need, M, K, N, out, out_bf16);
         else
