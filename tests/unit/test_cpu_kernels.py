@@ -253,3 +253,33 @@ def test_prefill_attention_is_causal_over_the_whole_context(context: int, chunk:
     scores = (q.float().transpose(0, 1) @ keys.transpose(1, 2) * 0.2).masked_fill(~allowed, float("-inf"))
     want = (torch.softmax(scores, dim=-1) @ values).transpose(0, 1)  # [L, H, hd]
     assert (out.float() - want).abs().max() < 1e-2 * want.abs().max()
+
+
+def _paged_context(context: int, kv_heads: int, hd: int, seed: int, bs: int = 16):
+    """Caches with a context of `context` tokens in scattered blocks: (k_cache, v_cache, table, slots)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-context // bs) + 2
+    k_cache = torch.randn(blocks * bs, kv_heads, hd, generator=g).bfloat16()
+    v_cache = torch.randn(blocks * bs, kv_heads, hd, generator=g).bfloat16()
+    table = torch.randperm(blocks, generator=g)[:-(-context // bs)]
+    slots = torch.tensor([int(table[i // bs]) * bs + i % bs for i in range(context)])
+    return k_cache, v_cache, table, slots
+
+
+@pytest.mark.parametrize("context,chunk,heads,kv_heads,hd", [
+    (100, 37, 9, 3, 64), (53, 53, 4, 4, 64), (70, 21, 8, 2, 128), (40, 9, 6, 2, 96), (33, 30, 26, 2, 64)])
+def test_a_query_gets_the_same_bits_in_a_prefill_chunk_as_in_a_decode_step(context: int, chunk: int, heads: int,
+                                                                           kv_heads: int, hd: int) -> None:
+    """Greedy determinism rests on this: a token's attention output (and so its KV downstream)
+    must not depend on whether it came in a prefill chunk, which chunk, or as a decode."""
+    k_cache, v_cache, table, slots = _paged_context(context, kv_heads, hd, seed=context + chunk)
+    q = torch.randn(chunk, heads, hd, generator=torch.Generator().manual_seed(chunk)).bfloat16()
+    prefill = torch.empty(chunk, heads, hd, dtype=torch.bfloat16)
+    cpu_kernels.prefill_attention(q, k_cache, v_cache, slots, hd ** -0.5, prefill)
+    lens = torch.arange(context - chunk + 1, context + 1)  # query i sees the context up to itself
+    decode = cpu_kernels.decode_attention(q, k_cache, v_cache, table.repeat(chunk, 1), lens, 16, hd ** -0.5)
+    assert torch.equal(prefill, decode)
+    # and in a chunk of its own: the last 5 queries
+    tail = torch.empty(5, heads, hd, dtype=torch.bfloat16)
+    cpu_kernels.prefill_attention(q[-5:], k_cache, v_cache, slots, hd ** -0.5, tail)
+    assert torch.equal(tail, prefill[-5:])
