@@ -9,10 +9,10 @@ repeats), and errors. Prints a table, writes JSON, and records the machine the c
 Each prompt is its own: about --prompt-words words drawn from a fixed vocabulary in an order
 seeded by the request's number, so prompts share no prefix beyond the chat template and
 prefix caching cannot skip their prefill (--same-prompt sends one prompt to all). A large
---prompt-words makes a prefill-heavy load.
+--prompt-words makes a prefill-heavy load (880 words: about 1,000 tokens with the default model).
 
     python bench/serve.py --url http://127.0.0.1:8000 --endpoint chat --max-tokens 128
-    python bench/serve.py --endpoint chat --prompt-words 1000 --concurrency 8 --num-requests 16 --max-tokens 64
+    python bench/serve.py --endpoint chat --prompt-words 880 --concurrency 8 --num-requests 16 --max-tokens 64
 """
 from __future__ import annotations
 
