@@ -44,6 +44,7 @@
 #define GROUP 32
 #define TILE 16  /* weight rows per tile: one per int32 lane */
 #define ROWS 8   /* activation rows per pass over a tile */
+_Static_assert(ROWS <= 8, "need[] holds one bit per row of a block");
 
 enum { OK = 0, BAD_SHAPE = 1, NO_MEMORY = 2 };
 
