@@ -145,19 +145,21 @@ async def measure(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def step_rows(counts: list[int]) -> list[dict[str, Any]]:
+def step_rows(counts: list[int], llm: Any = None) -> list[dict[str, Any]]:
     """Median engine step time at M decode rows (M greedy streams, no drafts), in process: the cost
-    model behind --spec-step-base-rows (a step costs about base + M rows' worth)."""
+    model behind --spec-step-base-rows (a step costs about base + M rows' worth). `llm`: an LLM
+    without prefix caching (default: a new one)."""
     from forge_service import LLM, SamplingParams
 
-    llm = LLM(enable_prefix_caching=False)
+    llm = llm or LLM(enable_prefix_caching=False)
     engine = llm.engine
     prompt = llm.tokenizer.encode("Tell me a long story about the sea and the ships that sail on it.")
     rows = []
     for m in counts:
         for i in range(m):
             engine.add_request(f"m{m}-{i}", [i + 5, *prompt],
-                               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+                               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                              num_speculative_tokens=0))
         times = []
         while engine.has_unfinished_requests():
             start = time.perf_counter()
