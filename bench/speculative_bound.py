@@ -31,9 +31,6 @@ from forge_service import LLM, SamplingParams  # noqa: E402
 from forge_service.config import SpeculativeConfig  # noqa: E402
 from forge_service.speculative.ngram import AdaptiveDraftLength, NgramIndex  # noqa: E402
 
-Policy = Callable[[list[int], int], int]  # (the answer's tokens still to come, room) -> tokens to draft
-
-
 def step_cost(measured: dict[int, float]) -> Callable[[int], float]:
     """Step seconds at any row count, linear between the measured ones."""
     counts = sorted(measured)
@@ -56,7 +53,7 @@ def replay(prompt: list[int], answer: list[int], config: SpeculativeConfig, orac
     done, seconds, steps = 1, 0.0, 0
     while done < len(answer):
         room = min(config.spec_max_draft, len(answer) - done - 1)
-        want = room if oracle else min(room, length.draft_len(worth))
+        want = room if oracle or room <= 0 else min(room, length.draft_len(worth))  # the proposer's order
         draft = index.propose(want) if want > 0 else []
         accepted = 0
         while accepted < len(draft) and draft[accepted] == answer[done + accepted]:
