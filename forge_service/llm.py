@@ -80,21 +80,5 @@ class LLM:
             raise
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
-                _accumulate(results[delta.request_id], delta)
+                results[delta.request_id].extend(delta)
         return [results[r] for r in order]
-
-
-def _accumulate(total: RequestOutput, delta: RequestOutput) -> None:
-    total.finished = total.finished or delta.finished
-    total.num_cached_tokens = max(total.num_cached_tokens, delta.num_cached_tokens)
-    for d in delta.outputs:
-        o = total.outputs[d.index]
-        o.text += d.text
-        o.token_ids.extend(d.token_ids)
-        if d.logprobs is not None:
-            o.logprobs = (o.logprobs or []) + d.logprobs
-            o.cumulative_logprob = d.cumulative_logprob
-        o.num_drafted_tokens = max(o.num_drafted_tokens, d.num_drafted_tokens)
-        o.num_accepted_tokens = max(o.num_accepted_tokens, d.num_accepted_tokens)
-        if d.finish_reason is not None:
-            o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason

@@ -382,16 +382,8 @@ def _merge_deltas(outputs: list[CompletionOutput], start: int) -> None:
     """Fold outputs[start:] (one completion's deltas of one step, in order) into one."""
     if len(outputs) - start < 2:
         return
-    merged = outputs[start]
     for delta in outputs[start + 1:]:
-        merged.text += delta.text
-        merged.token_ids += delta.token_ids
-        if delta.logprobs is not None:
-            merged.logprobs = (merged.logprobs or []) + delta.logprobs
-            merged.cumulative_logprob = delta.cumulative_logprob
-        merged.finish_reason, merged.stop_reason = delta.finish_reason, delta.stop_reason
-        merged.times = delta.times or merged.times
-        merged.num_drafted_tokens, merged.num_accepted_tokens = delta.num_drafted_tokens, delta.num_accepted_tokens
+        outputs[start].extend(delta)
     del outputs[start + 1:]
 
 

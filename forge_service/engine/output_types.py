@@ -40,6 +40,19 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def extend(self, later: CompletionOutput) -> None:
+        """Fold `later`, this completion's next delta, into this one."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+            self.cumulative_logprob = later.cumulative_logprob
+        if later.finish_reason is not None:
+            self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+        self.times = later.times or self.times
+        self.num_drafted_tokens = max(self.num_drafted_tokens, later.num_drafted_tokens)
+        self.num_accepted_tokens = max(self.num_accepted_tokens, later.num_accepted_tokens)
+
 
 @dataclass
 class RequestOutput:
@@ -52,6 +65,19 @@ class RequestOutput:
     # Set when the engine failed while computing this request (finish_reason "error"): a message
     # for the client with an error id that is also in the log. The other requests went on.
     error: str | None = None
+
+    def extend(self, later: RequestOutput) -> None:
+        """Fold `later`, this request's next delta, into this one: each completion's tokens in order."""
+        self.finished = self.finished or later.finished
+        self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
+        self.error = later.error or self.error
+        mine = {o.index: o for o in self.outputs}
+        for delta in later.outputs:
+            if delta.index in mine:
+                mine[delta.index].extend(delta)
+            else:
+                self.outputs.append(delta)
+                mine[delta.index] = delta
 
     @property
     def usage(self) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """A fake LLMEngine for service tests: byte-level tokenizer, echoes the prompt back.
 
 It mirrors the interface of forge_service.engine.engine.LLMEngine (add_request, abort_request,
-step, has_unfinished_requests, stats, tokenizer, model_name, max_model_len) and its output
+step, has_unfinished_requests, stats, tokenizer, model_name, max_model_len) and returns its output
 types, so the async engine and the gRPC servicer can be tested without a model.
 """
 from __future__ import annotations
@@ -15,39 +15,11 @@ from typing import Callable
 
 import httpx
 
+from forge_service.engine.output_types import CompletionOutput, Logprob, RequestOutput
 from forge_service.engine.request import SamplingParams
 from forge_service.errors import InvalidArgument, QueueFull
 
 EOS = 0
-
-
-@dataclass
-class Logprob:
-    token_id: int
-    logprob: float
-    rank: int | None
-    token: str
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[list[Logprob]] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_drafted_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -205,7 +177,8 @@ class FakeEngine:
         if params.logprobs is not None:
             alternatives = [Logprob(t, -1.0 - r, r + 2, chr(t)) for r, t in enumerate(range(65, 65 + params.logprobs))]
             logprobs = [[Logprob(token, -0.5, 1, self.tokenizer.id_to_token(token)), *alternatives]]
-        return CompletionOutput(seq.index, text, [token], logprobs, seq.finish_reason, seq.stop_reason)
+        return CompletionOutput(seq.index, text, [token], logprobs, finish_reason=seq.finish_reason,
+                                stop_reason=seq.stop_reason)
 
 
 # ---- waiting helpers shared by the serving tests ------------------------------------------

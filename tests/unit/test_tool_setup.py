@@ -174,8 +174,8 @@ def test_stream_and_generate_carry_the_same_calls(monkeypatch) -> None:
     def outputs():
         for k, piece in enumerate(pieces):
             done = k == len(pieces) - 1
-            yield RequestOutput("r", [1], [CompletionOutput(0, piece, [k], None, "stop" if done else None,
-                                                            2 if done else None)], done)
+            yield RequestOutput("r", [1], [CompletionOutput(0, piece, [k], finish_reason="stop" if done else None,
+                                                            stop_reason=2 if done else None)], done)
 
     ids = iter(f"call_{i}" for i in range(9))
     monkeypatch.setattr("forge_service.tools.output.new_call_id", lambda: next(ids))
