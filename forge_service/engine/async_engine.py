@@ -125,7 +125,8 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        label: str | None = None) -> AsyncIterator[Any]:
-        """Submit a request and yield its RequestOutputs (deltas) until it finishes.
+        """Submit a request and yield its RequestOutputs (deltas) until it finishes. Deltas that
+        queued up while the consumer was busy come as one (RequestOutput.extend).
 
         `request_id` keys the request in the engine: the caller makes a fresh one (uuid4) per
         request. `label` is the client's own id, for logs and traces; it may repeat."""
@@ -135,12 +136,21 @@ class AsyncEngine:
         self._adds_submitted += params.n
         self._submit(_Add(request_id, list(prompt_token_ids), params, label))
         finished = False
+        failure: BaseException | None = None  # came after deltas that are yielded first
         try:
             while True:
-                item = await queue.get()
+                item = failure or await queue.get()
                 if isinstance(item, BaseException):
                     finished = True  # failed requests are already out of the engine
                     raise item
+                # A consumer that fell behind takes what has queued up as one delta: one message
+                # to write instead of one per step, with the same tokens in the same order.
+                while not item.finished and not queue.empty():
+                    later = queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        failure = later
+                        break
+                    item.extend(later)
                 yield item
                 if item.finished:
                     finished = True

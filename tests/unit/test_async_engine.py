@@ -8,6 +8,7 @@ from typing import Any, Awaitable, Callable
 import pytest
 
 from forge_service.engine.async_engine import AsyncEngine
+from forge_service.engine.output_types import CompletionOutput, RequestOutput
 from forge_service.engine.request import SamplingParams
 from forge_service.errors import ForgeError, InvalidArgument, QueueFull, Unavailable
 from tests.unit.fakes import FakeEngine, until
@@ -220,3 +221,65 @@ def test_stats_are_a_snapshot_from_the_engine_thread() -> None:
         await until(lambda: e.stats().num_running == 0)
 
     run(body, fake)
+
+
+class HeldAfterFirstStep(FakeEngine):
+    """Steps once, then waits for `release` before each further step; step `fail_at` raises."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.fail_at = fail_at
+
+    def step(self) -> list[Any]:
+        if self.steps >= 1:
+            self.release.wait(10)
+        if self.steps == self.fail_at:
+            self.steps += 1
+            raise RuntimeError("fake step failure")
+        return super().step()
+
+
+def test_deltas_that_queue_up_while_the_consumer_is_away_come_as_one() -> None:
+    fake = HeldAfterFirstStep()
+
+    async def body(e: AsyncEngine) -> None:
+        stream = e.generate("r1", list(b"coalescing"), SamplingParams(max_tokens=10, logprobs=1))
+        first = await stream.__anext__()
+        assert first.outputs[0].token_ids == [ord("c")]
+        fake.release.set()  # nine more steps while this consumer is away
+        await until(lambda: e._streams["r1"].qsize() == 9)
+        rest = [output async for output in stream]
+        assert len(rest) == 1 and rest[0].finished
+        merged = rest[0].outputs[0]
+        assert merged.token_ids == list(b"oalescing") and merged.text == "oalescing"
+        assert [lp[0].token_id for lp in merged.logprobs] == list(b"oalescing")
+        assert merged.finish_reason == "length"
+
+    run(body, fake)
+
+
+def test_a_failure_after_queued_deltas_comes_after_them() -> None:
+    fake = HeldAfterFirstStep(fail_at=4)
+
+    async def body(e: AsyncEngine) -> None:
+        stream = e.generate("r1", list(b"coalescing"), SamplingParams(max_tokens=10))
+        texts = [(await stream.__anext__()).outputs[0].text]
+        fake.release.set()  # three more tokens, then the step fails
+        await until(lambda: e._streams["r1"].qsize() == 4)
+        with pytest.raises(ForgeError, match="internal engine error"):
+            async for output in stream:
+                texts.append(output.outputs[0].text)
+        assert texts == ["c", "oal"]
+
+    run(body, fake)
+
+
+def test_extend_folds_each_completion_in_order_and_keeps_the_others() -> None:
+    merged = RequestOutput("r", [1], [CompletionOutput(0, "a", [97]), CompletionOutput(1, "x", [120])])
+    merged.extend(RequestOutput("r", [1], [CompletionOutput(1, "y", [121], finish_reason="stop", stop_reason=121)]))
+    merged.extend(RequestOutput("r", [1], [CompletionOutput(0, "b", [98], finish_reason="length"),
+                                           CompletionOutput(2, "z", [122])], finished=True))
+    assert [(o.index, o.text, o.token_ids, o.finish_reason, o.stop_reason) for o in merged.outputs] == [
+        (0, "ab", [97, 98], "length", None), (1, "xy", [120, 121], "stop", 121), (2, "z", [122], None, None)]
+    assert merged.finished

@@ -140,9 +140,12 @@ def test_logprobs_are_returned_per_token() -> None:
     async def body(h: Harness) -> None:
         request = text_request("xy", logprobs=True, top_logprobs=2)
         messages = await stream_all(h, request)
-        chunk = next(m.chunk for m in messages if m.HasField("chunk"))
-        [position] = chunk.logprobs
+        chunks = [m.chunk for m in messages if m.HasField("chunk")]
+        # One position per token, however the stream grouped the tokens into chunks.
+        assert [len(c.logprobs) for c in chunks] == [len(c.token_ids) for c in chunks]
+        position, second = [p for c in chunks for p in c.logprobs]
         assert (position.chosen.token_id, position.chosen.token, position.chosen.bytes) == (ord("x"), "x", b"x")
+        assert second.chosen.token_id == ord("y")
         assert position.chosen.logprob == pytest.approx(-0.5)
         assert [t.token for t in position.top] == ["A", "B"]
 
