@@ -55,3 +55,19 @@ def test_adaptive_length_follows_acceptance_and_cost():
     assert [a.draft_len(0.3) for _ in range(12)] == [0, 0, 0, 0, 0, 1] * 2  # probes: every 4 / (1 - 0.3)
     assert [a.draft_len(0.9) for _ in range(50)].count(1) == 1  # dear rows: every 4 / (1 - 0.9), about 40
     assert AdaptiveDraftLength(max_k=0).draft_len(0.0) == 0
+
+
+def test_a_draft_accepted_whole_starts_a_run_that_drafts_long_at_once_where_rows_are_cheap():
+    a = AdaptiveDraftLength(max_k=8)
+    assert a.draft_len(0.3) == 1  # rate 0.5
+    a.update(1, 1)  # accepted whole: the next draft is estimated with the run's prior, 0.9
+    assert a.rate == 0.9
+    assert a.draft_len(0.3) == 8  # 0.9 ** 8 >= 0.3 (one request's rate alone would be 2 / 3: 2 tokens)
+    assert a.draft_len(0.88) == 1  # dear rows (many streams): 0.9 ** 2 < 0.88, still short
+    a.update(8, 3)  # cut short: the run ends, the request's own rate (1 accepted, 0 cut) returns
+    assert a.rate == 2 / 3 and a.draft_len(0.3) == 2
+    for _ in range(6):  # runs that keep being cut at once teach the run's estimate
+        a.update(1, 1)
+        a.update(8, 0)
+    a.update(1, 1)
+    assert a.rate < 0.55 and a.draft_len(0.3) == 1
