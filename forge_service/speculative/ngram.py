@@ -72,9 +72,10 @@ class AdaptiveDraftLength:
 
     A draft accepted whole says that the request is copying, and copying goes on: the draft after
     one is estimated apart, with its own decayed counts and a prior of RUN_PRIOR (4.5 accepted to
-    0.5 cut: 0.9, worth five verifications), until a draft is cut short. One stream then drafts the longest at once, where a rate
-    learned over the whole request would grow step by step, while at many streams, where a row
-    must be kept with probability ~0.9 to pay, such a draft stays short.
+    0.5 cut: 0.9, worth five verifications), until a draft is cut short. One stream then drafts
+    the longest at once, where a rate learned over the whole request would grow step by step,
+    while at many streams, where a row must be kept with probability ~0.9 to pay, such a draft
+    stays short.
     """
 
     RUN_PRIOR = (4.5, 0.5)
