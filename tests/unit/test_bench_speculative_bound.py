@@ -2,8 +2,6 @@
 an oracle and the adaptive length get from the n-gram index."""
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from bench.speculative_bound import replay, step_cost
