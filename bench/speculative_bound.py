@@ -31,6 +31,7 @@ from forge_service import LLM, SamplingParams  # noqa: E402
 from forge_service.config import SpeculativeConfig  # noqa: E402
 from forge_service.speculative.ngram import AdaptiveDraftLength, NgramIndex  # noqa: E402
 
+
 def step_cost(measured: dict[int, float]) -> Callable[[int], float]:
     """Step seconds at any row count, linear between the measured ones."""
     counts = sorted(measured)
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     config = SpeculativeConfig(spec_max_draft=args.spec_max_draft, spec_step_base_rows=args.spec_step_base_rows)
 
     llm = LLM(enable_prefix_caching=False)
-    cost = step_cost({r["rows"]: r["step_ms"] / 1000 for r in step_rows(sorted({1, 2, 3, 5, 9, 1 + args.spec_max_draft}), llm)})
+    measured = step_rows(sorted({1, 2, 3, 5, 9, 1 + args.spec_max_draft}), llm)
+    cost = step_cost({r["rows"]: r["step_ms"] / 1000 for r in measured})
     off = SamplingParams(temperature=0, max_tokens=args.max_tokens, num_speculative_tokens=0)
     first = SamplingParams(temperature=0, max_tokens=1, num_speculative_tokens=0)
     rows = []
@@ -86,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         totals = {"answer": 0, "ttft": 0.0, "plain": 0.0, "adaptive": 0.0, "oracle": 0.0, "adaptive_steps": 0,
                   "oracle_steps": 0}
         for n in range(args.requests):
-            prompt = llm.tokenizer.encode_chat([{"role": "user", "content": f"Request {n}. {prompts[n % len(prompts)]}"}])
+            message = {"role": "user", "content": f"Request {n}. {prompts[n % len(prompts)]}"}
+            prompt = llm.tokenizer.encode_chat([message])
             answer = llm.generate([prompt], off)[0].outputs[0].token_ids
             ttft = []
             for _ in range(3):

@@ -380,8 +380,6 @@ class LLMEngine:
 
 def _merge_deltas(outputs: list[CompletionOutput], start: int) -> None:
     """Fold outputs[start:] (one completion's deltas of one step, in order) into one."""
-    if len(outputs) - start < 2:
-        return
     for delta in outputs[start + 1:]:
         outputs[start].extend(delta)
     del outputs[start + 1:]
