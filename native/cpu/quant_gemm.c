@@ -32,6 +32,9 @@
  * holds chunk c (inputs 4c .. 4c + 3 of the group) of all 16 rows: lane j = row j's 4 codes.
  * q8 stores the group's 8 chunks as 8 vectors; q4 stores 4 vectors whose low nibbles are chunks
  * 0..3 and high nibbles chunks 4..7. Scales and offsets are fp16, [tile][group][16].
+ * Activations are quantised into blocks of 8 rows, group by group, so that a tile reads a block's
+ * rows at fixed offsets from one pointer (no per-row pointers to spill), and each weight chunk meets
+ * all 8 rows before the next: 8 VNNI chains side by side.
  *
  * Threads: OpenMP over tiles. The library links libgomp by soname, so inside a process that has
  * loaded torch it shares torch's OpenMP runtime and thread pool.
@@ -67,10 +70,18 @@ static inline __m512 load16(const void *x, int bf16, int64_t at) {
  * xs = xd * sum(a0 + a1 / 254) [M, K / 32]. The second level carries the first one's rounding error
  * in the groups that hold one of the row's large values (amax > fine_above * the row's RMS; all
  * groups when fine_above is 0) and is zero elsewhere. Bit i of need[b][g] says that row ROWS b + i
- * has a second level in group g. */
+ * has a second level in group g.
+ *
+ * Each level is stored by block of ROWS rows, group by group: [M / ROWS][K / 32][ROWS][32] (xd and
+ * xs [M / ROWS][K / 32][ROWS]), so that a tile reads a block's rows in one group at fixed offsets
+ * from one pointer. A last, partial block's missing rows are never read. */
+static inline int64_t at_block(int64_t m, int64_t g, int64_t groups) {  /* row m, group g's index / 32 */
+    return (m / ROWS * groups + g) * ROWS + m % ROWS;
+}
+
 static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int levels, float fine_above,
                           int8_t *a, float *xd, float *xs, uint8_t *need) {
-    const int64_t groups = K / GROUP;
+    const int64_t groups = K / GROUP, padded = (M + ROWS - 1) / ROWS * ROWS * K;
     const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
     memset(need, 0, ((M + ROWS - 1) / ROWS) * groups);
     for (int64_t m = 0; m < M; m++) {
@@ -81,7 +92,7 @@ static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int l
         }
         const float mean_square = _mm512_reduce_add_ps(squares) / (float)K;
         for (int64_t g = 0; g < groups; g++) {
-            const int64_t at = m * K + g * GROUP;
+            const int64_t at = m * K + g * GROUP, slot = at_block(m, g, groups);
             const __m512 v[2] = {load16(x, x_bf16, at), load16(x, x_bf16, at + 16)};
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
             const int second = levels == 2 && amax * amax > fine_above * fine_above * mean_square;
@@ -97,11 +108,12 @@ static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int l
                 total_levels = _mm512_add_ps(total_levels, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1),
                                                                            _mm512_set1_ps(1.0f / 254.0f),
                                                                            _mm512_cvtepi32_ps(q0)));
-                _mm_storeu_si128((__m128i *)(a + at + 16 * h), _mm512_cvtepi32_epi8(q0));
-                if (levels == 2) _mm_storeu_si128((__m128i *)(a + M * K + at + 16 * h), _mm512_cvtepi32_epi8(q1));
+                _mm_storeu_si128((__m128i *)(a + slot * GROUP + 16 * h), _mm512_cvtepi32_epi8(q0));
+                if (levels == 2)
+                    _mm_storeu_si128((__m128i *)(a + padded + slot * GROUP + 16 * h), _mm512_cvtepi32_epi8(q1));
             }
-            xd[m * groups + g] = d;
-            xs[m * groups + g] = d * _mm512_reduce_add_ps(total_levels);
+            xd[slot] = d;
+            xs[slot] = d * _mm512_reduce_add_ps(total_levels);
             if (second) need[m / ROWS * groups + g] |= (uint8_t)(1u << (m % ROWS));
         }
     }
@@ -144,29 +156,41 @@ static inline __m512i dot8(const __m512i *chunk, const int8_t *x) {  /* one acti
     return dot;
 }
 
-/* One tile of 16 weight rows against activation rows m0 .. m0 + R - 1 -> y[R][16]: the first level
- * over every group, then the second in the groups and rows `need` names (need[g]: a bit per row).
- * q4 and R are literal constants at each call, so the first level's accumulators stay in registers;
- * the second adds into y in memory, one row at a time, groups in order as the first level. */
+/* One tile of 16 weight rows against the R rows of block b -> y[R][16]: the first level over every
+ * group, then the second in the groups and rows `need` names (need[g]: a bit per row). q4 and R are
+ * literal constants at each call, so the first level's accumulators stay in registers; the second
+ * adds into y in memory, one row at a time, groups in order as the first level. The block's rows
+ * are read at fixed offsets (see quantize_rows), and each chunk of weights meets every row before
+ * the next chunk is taken, so R VNNI chains run side by side. */
 static inline __attribute__((always_inline)) void tile(int q4, const uint8_t *codes, const uint16_t *wd16,
                                                        const uint16_t *wm16, const int8_t *a, const int8_t *a_fine,
                                                        const float *xd, const float *xs, const uint8_t *need,
-                                                       int64_t K, int64_t m0, const int R, __m512 *y) {
+                                                       int64_t K, int64_t b, const int R, __m512 *y) {
     const int64_t groups = K / GROUP, group_bytes = q4 ? TILE * GROUP / 2 : TILE * GROUP;
     __m512i chunk[8];
     __m512 acc[ROWS];
 #pragma GCC unroll 8
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
+        const int64_t slot = (b * groups + g) * ROWS;
+        const int8_t *ab = a + slot * GROUP;
+        const float *xdb = xd + slot, *xsb = xs + slot;
         unpack(q4, codes + g * group_bytes, chunk);
+        __m512i dot[ROWS];
+#pragma GCC unroll 8
+        for (int i = 0; i < R; i++) dot[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+#pragma GCC unroll 8
+            for (int i = 0; i < R; i++)
+                dot[i] = _mm512_dpbusd_epi32(dot[i], chunk[c], _mm512_set1_epi32(*(const int32_t *)(ab + i * GROUP + 4 * c)));
+        }
         const __m512 wd = halves(wd16 + g * TILE);
         const __m512 wm = q4 ? halves(wm16 + g * TILE) : _mm512_mul_ps(wd, _mm512_set1_ps(-128.0f));
 #pragma GCC unroll 8
         for (int i = 0; i < R; i++) {
-            const int64_t m = m0 + i;
-            const __m512 sum = _mm512_cvtepi32_ps(dot8(chunk, a + m * K + g * GROUP));
-            acc[i] = _mm512_fmadd_ps(sum, _mm512_mul_ps(wd, _mm512_set1_ps(xd[m * groups + g])), acc[i]);
-            acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xs[m * groups + g]), acc[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(wd, _mm512_set1_ps(xdb[i])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsb[i]), acc[i]);
         }
     }
 #pragma GCC unroll 8
@@ -174,13 +198,13 @@ static inline __attribute__((always_inline)) void tile(int q4, const uint8_t *co
     for (int64_t g = 0; g < groups; g++) {
         unsigned rows = need[g];
         if (!rows) continue;
+        const int64_t slot = (b * groups + g) * ROWS;
         unpack(q4, codes + g * group_bytes, chunk);
         const __m512 wd = halves(wd16 + g * TILE);
         for (; rows; rows &= rows - 1) {
             const int i = __builtin_ctz(rows);
-            const int64_t m = m0 + i;
-            const __m512 sum = _mm512_cvtepi32_ps(dot8(chunk, a_fine + m * K + g * GROUP));
-            const __m512 scale = _mm512_mul_ps(wd, _mm512_set1_ps(xd[m * groups + g] * (1.0f / 254.0f)));
+            const __m512 sum = _mm512_cvtepi32_ps(dot8(chunk, a_fine + (slot + i) * GROUP));
+            const __m512 scale = _mm512_mul_ps(wd, _mm512_set1_ps(xd[slot + i] * (1.0f / 254.0f)));
             y[i] = _mm512_fmadd_ps(sum, scale, y[i]);
         }
     }
@@ -193,6 +217,7 @@ static inline __attribute__((always_inline)) void tile_rows(int q4, int64_t t, c
                                                             const uint8_t *need, int64_t M, int64_t K, int64_t N,
                                                             void *out, int out_bf16) {
     const int64_t groups = K / GROUP, tile_bytes = (q4 ? K / 2 : K) * TILE;
+    const int8_t *fine = a + (M + ROWS - 1) / ROWS * ROWS * K;
     const uint8_t *w = codes + t * tile_bytes;
     const uint16_t *d = wd16 + t * groups * TILE, *o = q4 ? wm16 + t * groups * TILE : NULL;
     __m512 y[ROWS];
@@ -200,14 +225,14 @@ static inline __attribute__((always_inline)) void tile_rows(int q4, int64_t t, c
         const int64_t rows = M - m0 < ROWS ? M - m0 : ROWS, b = m0 / ROWS;
         const uint8_t *rows_need = need + b * groups;
         switch (rows) {
-            case 1: tile(q4, w, d, o, a, a + M * K, xd, xs, rows_need, K, m0, 1, y); break;
-            case 2: tile(q4, w, d, o, a, a + M * K, xd, xs, rows_need, K, m0, 2, y); break;
-            case 3: tile(q4, w, d, o, a, a + M * K, xd, xs, rows_need, K, m0, 3, y); break;
-            case 4: tile(q4, w, d, o, a, a + M * K, xd, xs, rows_need, K, m0, 4, y); break;
-            case 5: tile(q4, w, d, o, a, a + M * K, xd, xs, rows_need, K, m0, 5, y); break;
-            case 6: tile(q4, w, d, o, a, a + M * K, xd, xs, rows_need, K, m0, 6, y); break;
-            case 7: tile(q4, w, d, o, a, a + M * K, xd, xs, rows_need, K, m0, 7, y); break;
-            default: tile(q4, w, d, o, a, a + M * K, xd, xs, rows_need, K, m0, 8, y); break;
+            case 1: tile(q4, w, d, o, a, fine, xd, xs, rows_need, K, b, 1, y); break;
+            case 2: tile(q4, w, d, o, a, fine, xd, xs, rows_need, K, b, 2, y); break;
+            case 3: tile(q4, w, d, o, a, fine, xd, xs, rows_need, K, b, 3, y); break;
+            case 4: tile(q4, w, d, o, a, fine, xd, xs, rows_need, K, b, 4, y); break;
+            case 5: tile(q4, w, d, o, a, fine, xd, xs, rows_need, K, b, 5, y); break;
+            case 6: tile(q4, w, d, o, a, fine, xd, xs, rows_need, K, b, 6, y); break;
+            case 7: tile(q4, w, d, o, a, fine, xd, xs, rows_need, K, b, 7, y); break;
+            default: tile(q4, w, d, o, a, fine, xd, xs, rows_need, K, b, 8, y); break;
         }
         for (int64_t i = 0; i < rows; i++) store16(out, out_bf16, (m0 + i) * N + t * TILE, y[i]);
     }
@@ -219,10 +244,11 @@ static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64
     if (M < 1 || N < TILE || N % TILE || K < GROUP || K % GROUP || levels < 1 || levels > 2 || !(fine_above >= 0))
         return BAD_SHAPE;
     const int64_t groups = K / GROUP, blocks = (M + ROWS - 1) / ROWS;
-    int8_t *a = malloc(levels * M * K + 2 * M * groups * sizeof(float) + blocks * groups);
+    const int64_t padded = blocks * ROWS;
+    int8_t *a = malloc(levels * padded * K + 2 * padded * groups * sizeof(float) + blocks * groups);
     if (!a) return NO_MEMORY;
-    float *xd = (float *)(a + levels * M * K), *xs = xd + M * groups;
-    uint8_t *need = (uint8_t *)(xs + M * groups);
+    float *xd = (float *)(a + levels * padded * K), *xs = xd + padded * groups;
+    uint8_t *need = (uint8_t *)(xs + padded * groups);
     quantize_rows(x, x_bf16, M, K, levels, fine_above, a, xd, xs, need);
     /* Tiles go to threads in chunks as they free up, so that a thread held up (another process on
      * its core) does not hold up the call; a call of one block of rows is too short to share out
