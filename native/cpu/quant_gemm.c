@@ -66,11 +66,11 @@ static inline __m512 load16(const void *x, int bf16, int64_t at) {
     return _mm512_loadu_ps((const float *)x + at);
 }
 
-/* x [M, K] (bf16 or fp32) -> int8 levels a [levels][M, K] with x ~ xd (a0 + a1 / 254), scales xd and
- * xs = xd * sum(a0 + a1 / 254) [M, K / 32]. The second level carries the first one's rounding error
- * in the groups that hold one of the row's large values (amax > fine_above * the row's RMS; all
- * groups when fine_above is 0) and is zero elsewhere. Bit i of need[b][g] says that row ROWS b + i
- * has a second level in group g.
+/* x [M, K] (bf16 or fp32) -> int8 levels a0, a1 with x ~ xd (a0 + a1 / 254), scales xd and
+ * xs = xd * sum(a0 + a1 / 254) per row and group of 32 (stored as below). The second level carries
+ * the first one's rounding error in the groups that hold one of the row's large values
+ * (amax > fine_above * the row's RMS; all groups when fine_above is 0) and is zero elsewhere.
+ * Bit i of need[b][g] says that row ROWS b + i has a second level in group g.
  *
  * Each level is stored by block of ROWS rows, group by group: [M / ROWS][K / 32][ROWS][32] (xd and
  * xs [M / ROWS][K / 32][ROWS]), so that a tile reads a block's rows in one group at fixed offsets
@@ -81,7 +81,7 @@ static inline int64_t at_block(int64_t m, int64_t g, int64_t groups) {  /* row m
 
 static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int levels, float fine_above,
                           int8_t *a, float *xd, float *xs, uint8_t *need) {
-    const int64_t groups = K / GROUP, padded = (M + ROWS - 1) / ROWS * ROWS * K;
+    const int64_t groups = K / GROUP, level_bytes = (M + ROWS - 1) / ROWS * ROWS * K;
     const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
     memset(need, 0, ((M + ROWS - 1) / ROWS) * groups);
     for (int64_t m = 0; m < M; m++) {
@@ -110,7 +110,7 @@ static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int l
                                                                            _mm512_cvtepi32_ps(q0)));
                 _mm_storeu_si128((__m128i *)(a + slot * GROUP + 16 * h), _mm512_cvtepi32_epi8(q0));
                 if (levels == 2)
-                    _mm_storeu_si128((__m128i *)(a + padded + slot * GROUP + 16 * h), _mm512_cvtepi32_epi8(q1));
+                    _mm_storeu_si128((__m128i *)(a + level_bytes + slot * GROUP + 16 * h), _mm512_cvtepi32_epi8(q1));
             }
             xd[slot] = d;
             xs[slot] = d * _mm512_reduce_add_ps(total_levels);
@@ -182,8 +182,10 @@ static inline __attribute__((always_inline)) void tile(int q4, const uint8_t *co
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++) {
 #pragma GCC unroll 8
-            for (int i = 0; i < R; i++)
-                dot[i] = _mm512_dpbusd_epi32(dot[i], chunk[c], _mm512_set1_epi32(*(const int32_t *)(ab + i * GROUP + 4 * c)));
+            for (int i = 0; i < R; i++) {
+                const __m512i x4 = _mm512_set1_epi32(*(const int32_t *)(ab + i * GROUP + 4 * c));
+                dot[i] = _mm512_dpbusd_epi32(dot[i], chunk[c], x4);
+            }
         }
         const __m512 wd = halves(wd16 + g * TILE);
         const __m512 wm = q4 ? halves(wm16 + g * TILE) : _mm512_mul_ps(wd, _mm512_set1_ps(-128.0f));
