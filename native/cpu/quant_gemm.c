@@ -66,10 +66,11 @@ static inline __m512 load16(const void *x, int bf16, int64_t at) {
     return _mm512_loadu_ps((const float *)x + at);
 }
 
-/* x [M, K] (bf16 or fp32) -> int8 levels a0, a1 with x ~ xd (a0 + a1 / 254), scales xd and
- * xs = xd * sum(a0 + a1 / 254) per row and group of 32 (stored as below). The second level carries
- * the first one's rounding error in the groups that hold one of the row's large values
- * (amax > fine_above * the row's RMS; all groups when fine_above is 0) and is zero elsewhere.
+/* x [M, K] (bf16 or fp32) -> int8 levels a0 (in a) and, with levels = 2, a1 (in a_fine), with
+ * x ~ xd (a0 + a1 / 254), and scales xd and xs = xd * sum(a0 + a1 / 254) per row and group of 32
+ * (stored as below). The second level carries the first one's rounding error in the groups that
+ * hold one of the row's large values (amax > fine_above * the row's RMS; all groups when
+ * fine_above is 0) and is zero elsewhere.
  * Bit i of need[b][g] says that row ROWS b + i has a second level in group g.
  *
  * Each level is stored by block of ROWS rows, group by group: [M / ROWS][K / 32][ROWS][32] (xd and
@@ -80,8 +81,8 @@ static inline int64_t at_block(int64_t m, int64_t g, int64_t groups) {  /* row m
 }
 
 static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int levels, float fine_above,
-                          int8_t *a, float *xd, float *xs, uint8_t *need) {
-    const int64_t groups = K / GROUP, level_bytes = (M + ROWS - 1) / ROWS * ROWS * K;
+                          int8_t *a, int8_t *a_fine, float *xd, float *xs, uint8_t *need) {
+    const int64_t groups = K / GROUP;
     const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
     memset(need, 0, ((M + ROWS - 1) / ROWS) * groups);
     for (int64_t m = 0; m < M; m++) {
@@ -110,7 +111,7 @@ static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int l
                                                                            _mm512_cvtepi32_ps(q0)));
                 _mm_storeu_si128((__m128i *)(a + slot * GROUP + 16 * h), _mm512_cvtepi32_epi8(q0));
                 if (levels == 2)
-                    _mm_storeu_si128((__m128i *)(a + level_bytes + slot * GROUP + 16 * h), _mm512_cvtepi32_epi8(q1));
+                    _mm_storeu_si128((__m128i *)(a_fine + slot * GROUP + 16 * h), _mm512_cvtepi32_epi8(q1));
             }
             xd[slot] = d;
             xs[slot] = d * _mm512_reduce_add_ps(total_levels);
@@ -215,11 +216,11 @@ static inline __attribute__((always_inline)) void tile(int q4, const uint8_t *co
 /* Tile t against every activation row. q4 is a literal constant at each call. */
 static inline __attribute__((always_inline)) void tile_rows(int q4, int64_t t, const uint8_t *codes,
                                                             const uint16_t *wd16, const uint16_t *wm16,
-                                                            const int8_t *a, const float *xd, const float *xs,
+                                                            const int8_t *a, const int8_t *a_fine,
+                                                            const float *xd, const float *xs,
                                                             const uint8_t *need, int64_t M, int64_t K, int64_t N,
                                                             void *out, int out_bf16) {
     const int64_t groups = K / GROUP, tile_bytes = (q4 ? K / 2 : K) * TILE;
-    const int8_t *fine = a + (M + ROWS - 1) / ROWS * ROWS * K;
     const uint8_t *w = codes + t * tile_bytes;
     const uint16_t *d = wd16 + t * groups * TILE, *o = q4 ? wm16 + t * groups * TILE : NULL;
     __m512 y[ROWS];
@@ -227,14 +228,14 @@ static inline __attribute__((always_inline)) void tile_rows(int q4, int64_t t, c
         const int64_t rows = M - m0 < ROWS ? M - m0 : ROWS, b = m0 / ROWS;
         const uint8_t *rows_need = need + b * groups;
         switch (rows) {
-            case 1: tile(q4, w, d, o, a, fine, xd, xs, rows_need, K, b, 1, y); break;
-            case 2: tile(q4, w, d, o, a, fine, xd, xs, rows_need, K, b, 2, y); break;
-            case 3: tile(q4, w, d, o, a, fine, xd, xs, rows_need, K, b, 3, y); break;
-            case 4: tile(q4, w, d, o, a, fine, xd, xs, rows_need, K, b, 4, y); break;
-            case 5: tile(q4, w, d, o, a, fine, xd, xs, rows_need, K, b, 5, y); break;
-            case 6: tile(q4, w, d, o, a, fine, xd, xs, rows_need, K, b, 6, y); break;
-            case 7: tile(q4, w, d, o, a, fine, xd, xs, rows_need, K, b, 7, y); break;
-            default: tile(q4, w, d, o, a, fine, xd, xs, rows_need, K, b, 8, y); break;
+            case 1: tile(q4, w, d, o, a, a_fine, xd, xs, rows_need, K, b, 1, y); break;
+            case 2: tile(q4, w, d, o, a, a_fine, xd, xs, rows_need, K, b, 2, y); break;
+            case 3: tile(q4, w, d, o, a, a_fine, xd, xs, rows_need, K, b, 3, y); break;
+            case 4: tile(q4, w, d, o, a, a_fine, xd, xs, rows_need, K, b, 4, y); break;
+            case 5: tile(q4, w, d, o, a, a_fine, xd, xs, rows_need, K, b, 5, y); break;
+            case 6: tile(q4, w, d, o, a, a_fine, xd, xs, rows_need, K, b, 6, y); break;
+            case 7: tile(q4, w, d, o, a, a_fine, xd, xs, rows_need, K, b, 7, y); break;
+            default: tile(q4, w, d, o, a, a_fine, xd, xs, rows_need, K, b, 8, y); break;
         }
         for (int64_t i = 0; i < rows; i++) store16(out, out_bf16, (m0 + i) * N + t * TILE, y[i]);
     }
@@ -251,7 +252,8 @@ static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64
     if (!a) return NO_MEMORY;
     float *xd = (float *)(a + levels * padded * K), *xs = xd + padded * groups;
     uint8_t *need = (uint8_t *)(xs + padded * groups);
-    quantize_rows(x, x_bf16, M, K, levels, fine_above, a, xd, xs, need);
+    int8_t *a_fine = levels == 2 ? a + padded * K : NULL;  /* the second level, read where need[] says */
+    quantize_rows(x, x_bf16, M, K, levels, fine_above, a, a_fine, xd, xs, need);
     /* Tiles go to threads in chunks as they free up, so that a thread held up (another process on
      * its core) does not hold up the call; a call of one block of rows is too short to share out
      * finer than the threads. */
@@ -262,9 +264,9 @@ static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64
 #pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
     for (int64_t t = 0; t < tiles; t++) {
         if (q4)
-            tile_rows(1, t, codes, wd16, wm16, a, xd, xs, need, M, K, N, out, out_bf16);
+            tile_rows(1, t, codes, wd16, wm16, a, a_fine, xd, xs, need, M, K, N, out, out_bf16);
         else
-            tile_rows(0, t, codes, wd16, NULL, a, xd, xs, need, M, K, N, out, out_bf16);
+            tile_rows(0, t, codes, wd16, NULL, a, a_fine, xd, xs, need, M, K, N, out, out_bf16);
     }
     free(a);
     return OK;
