@@ -141,6 +141,31 @@ static inline __m512 sum16(__m512 *v) {
     return _mm512_permutexvar_ps(order, mixed);
 }
 
+/* A score row's softmax in place, without the division: s[l] = e^(s[l] - max), lane l % 16 summing
+ * them in order; returns 1 / their sum. `top` holds the row's maximum in one of its lanes. */
+static inline float normalise(float *s, int64_t n, __m512 top) {
+    const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t l = 0; l < n; l += 16) {
+        const __mmask16 keep = n - l >= 16 ? 0xFFFF : (__mmask16)((1u << (n - l)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + l), most)));
+        _mm512_mask_storeu_ps(s + l, keep, e);
+        total = _mm512_add_ps(total, e);
+    }
+    return 1.0f / _mm512_reduce_add_ps(total);
+}
+
+/* One head's output: the even and odd elements' weighted sums (acc, 2 pairs vectors) times inv,
+ * rounded to bf16 and put back in order (element 2i in the low half of dword i). */
+static inline void store_head(const __m512 *acc, float inv, int64_t pairs, uint16_t *out) {
+    const __m512 scale_out = _mm512_set1_ps(inv);
+    for (int64_t c = 0; c < pairs; c++) {
+        const __m512i even = _mm512_castps_si512(round_bf16(_mm512_mul_ps(acc[2 * c], scale_out)));
+        const __m512i odd = _mm512_castps_si512(round_bf16(_mm512_mul_ps(acc[2 * c + 1], scale_out)));
+        _mm512_storeu_si512(out + 32 * c, _mm512_or_si512(odd, _mm512_srli_epi32(even, 16)));
+    }
+}
+
 #define MAX_GROUP 4  /* query heads per KV head that run together; more run in runs of this many */
 
 /* G query heads (q: G heads of hd, contiguous) against n keys at `slots` of their shared KV head
@@ -194,18 +219,7 @@ static inline __attribute__((always_inline)) void attend(const uint16_t *q, cons
         }
     }
     float inv[MAX_GROUP];
-    for (int g = 0; g < G; g++) {
-        const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top[g]));
-        float *sg = s + g * stride;
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t l = 0; l < n; l += 16) {
-            const __mmask16 keep = n - l >= 16 ? 0xFFFF : (__mmask16)((1u << (n - l)) - 1);
-            const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, sg + l), most)));
-            _mm512_mask_storeu_ps(sg + l, keep, e);
-            total = _mm512_add_ps(total, e);
-        }
-        inv[g] = 1.0f / _mm512_reduce_add_ps(total);
-    }
+    for (int g = 0; g < G; g++) inv[g] = normalise(s + g * stride, n, top[g]);
     __m512 acc[MAX_GROUP][2 * MAX_PAIRS];  /* even and odd elements of each 32 */
     for (int g = 0; g < G; g++)
         for (int64_t j = 0; j < 2 * pairs; j++) acc[g][j] = _mm512_setzero_ps();
@@ -218,14 +232,7 @@ static inline __attribute__((always_inline)) void attend(const uint16_t *q, cons
             for (int64_t j = 0; j < 2 * pairs; j++) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
         }
     }
-    for (int g = 0; g < G; g++) {
-        const __m512 scale_out = _mm512_set1_ps(inv[g]);
-        for (int64_t c = 0; c < pairs; c++) {  /* back in order: element 2i in the low half of dword i */
-            const __m512i even = _mm512_castps_si512(round_bf16(_mm512_mul_ps(acc[g][2 * c], scale_out)));
-            const __m512i odd = _mm512_castps_si512(round_bf16(_mm512_mul_ps(acc[g][2 * c + 1], scale_out)));
-            _mm512_storeu_si512(out + g * hd + 32 * c, _mm512_or_si512(odd, _mm512_srli_epi32(even, 16)));
-        }
-    }
+    for (int g = 0; g < G; g++) store_head(acc[g], inv[g], pairs, out + g * hd);
 }
 
 #define ATTEND_HD(G)                                                                                      \
@@ -300,23 +307,210 @@ int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
     return 0;
 }
 
+/* Prefill attention computes, for every query and key, the very operations `attend` does, so a
+ * token gets the same bits in a prefill chunk as in a decode step. It lays them out for many
+ * queries at once: a tile of 16 keys is widened and transposed once (kt[d][i] = key i, element
+ * d), and a query's score for the 16 keys is one vector, lane i for key i. attend's dot product
+ * for a key is 16 lane partials, partial j = q[32c + 2j] k[32c + 2j] + q[32c + 2j + 1] k[...]
+ * over c in order (fused multiply-adds from zero), then sum16's tree over the partials; here
+ * partial j is a vector over the 16 keys, built by the same fused multiply-adds with q's values
+ * broadcast, and the tree is vertical adds: ((p_j + p_j+8) + (p_j+4 + p_j+12)) pairwise down. */
+#define PREFILL_HEADS 48  /* query heads (rows x heads of one KV head) per prefill job */
+#define SCORE_GROUP 4     /* query heads whose scores are computed together, sharing each key load */
+
+/* 16 keys at `slots` (count of them; past count, zeros) of one KV head -> kt[hd][16] fp32. */
+static inline __attribute__((always_inline)) void transpose_keys(const uint16_t *k_cache, const int64_t *slots,
+                                                                 int64_t count, int64_t row, int64_t off,
+                                                                 const int64_t hd, float *kt) {
+    for (int64_t d0 = 0; d0 < hd; d0 += 16) {
+        __m512 r[16], t[16];
+        for (int i = 0; i < 16; i++)
+            r[i] = i < count ? bf16x16(k_cache + slots[i] * row + off + d0) : _mm512_setzero_ps();
+        for (int i = 0; i < 8; i++) {
+            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        for (int i = 0; i < 4; i++) {  /* r[4i + j], quad q: rows 4i .. 4i + 3 of column 4q + j */
+            const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+            const __m512d c = _mm512_castps_pd(t[4 * i + 2]), e = _mm512_castps_pd(t[4 * i + 3]);
+            r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+            r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+            r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+            r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+        }
+        for (int j = 0; j < 4; j++) {
+            const __m512 v1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), v2 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
+            const __m512 w1 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+            const __m512 w2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
+            _mm512_storeu_ps(kt + (d0 + j) * 16, _mm512_shuffle_f32x4(v1, w1, 0x88));
+            _mm512_storeu_ps(kt + (d0 + 4 + j) * 16, _mm512_shuffle_f32x4(v2, w2, 0x88));
+            _mm512_storeu_ps(kt + (d0 + 8 + j) * 16, _mm512_shuffle_f32x4(v1, w1, 0xDD));
+            _mm512_storeu_ps(kt + (d0 + 12 + j) * 16, _mm512_shuffle_f32x4(v2, w2, 0xDD));
+        }
+    }
+}
+
+/* Partial j of each of NG query heads' dots (qf: NG rows of hd fp32) with the 16 keys of kt. */
+static inline __attribute__((always_inline)) void partial(const float *kt, const float *qf, const int64_t hd,
+                                                          const int NG, int j, __m512 *p) {
+    for (int g = 0; g < NG; g++) p[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < hd / 32; c++) {
+        const int64_t d = 32 * c + 2 * j;
+        const __m512 even = _mm512_loadu_ps(kt + d * 16), odd = _mm512_loadu_ps(kt + (d + 1) * 16);
+        for (int g = 0; g < NG; g++)
+            p[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * hd + d + 1]), odd,
+                                   _mm512_fmadd_ps(_mm512_set1_ps(qf[g * hd + d]), even, p[g]));
+    }
+}
+
+/* sum16's tree over the partials, level by level: pairs j, j + 8; then those sums j, j + 4; then j, j + 2. */
+static inline __attribute__((always_inline)) void level8(const float *kt, const float *qf, const int64_t hd,
+                                                         const int NG, int j, __m512 *y) {
+    __m512 a[SCORE_GROUP], b[SCORE_GROUP];
+    partial(kt, qf, hd, NG, j, a);
+    partial(kt, qf, hd, NG, j + 8, b);
+    for (int g = 0; g < NG; g++) y[g] = _mm512_add_ps(a[g], b[g]);
+}
+
+static inline __attribute__((always_inline)) void level4(const float *kt, const float *qf, const int64_t hd,
+                                                         const int NG, int j, __m512 *y) {
+    __m512 a[SCORE_GROUP], b[SCORE_GROUP];
+    level8(kt, qf, hd, NG, j, a);
+    level8(kt, qf, hd, NG, j + 4, b);
+    for (int g = 0; g < NG; g++) y[g] = _mm512_add_ps(a[g], b[g]);
+}
+
+static inline __attribute__((always_inline)) void level2(const float *kt, const float *qf, const int64_t hd,
+                                                         const int NG, int j, __m512 *y) {
+    __m512 a[SCORE_GROUP], b[SCORE_GROUP];
+    level4(kt, qf, hd, NG, j, a);
+    level4(kt, qf, hd, NG, j + 2, b);
+    for (int g = 0; g < NG; g++) y[g] = _mm512_add_ps(a[g], b[g]);
+}
+
+/* The scores of NG query heads against the 16 keys of kt (before the scale): lane i for key i. */
+static inline __attribute__((always_inline)) void score16(const float *kt, const float *qf, const int64_t hd,
+                                                          const int NG, __m512 *s) {
+    __m512 a[SCORE_GROUP], b[SCORE_GROUP];
+    level2(kt, qf, hd, NG, 0, a);
+    level2(kt, qf, hd, NG, 1, b);
+    for (int g = 0; g < NG; g++) s[g] = _mm512_add_ps(a[g], b[g]);
+}
+
+/* acc[g] += p[g stride + l] V[l] for l in lb .. le - 1, in order, g < NG: the weighted values of NG
+ * heads of one KV head (V at `slots`, rows `row` apart from `off`), each value read and split once. */
+static inline __attribute__((always_inline)) void weigh(__m512 (*acc)[2 * MAX_PAIRS], const int NG, const float *p,
+                                                        int64_t stride, const uint16_t *v_cache, const int64_t *slots,
+                                                        int64_t lb, int64_t le, int64_t row, int64_t off,
+                                                        const int64_t hd) {
+    const int64_t pairs = hd / 32;
+    __m512 a[4][2 * MAX_PAIRS];
+    for (int g = 0; g < NG; g++)
+        for (int64_t j = 0; j < 2 * pairs; j++) a[g][j] = acc[g][j];
+    for (int64_t l = lb; l < le; l++) {
+        const uint16_t *v = v_cache + slots[l] * row + off;
+        __m512 vv[2 * MAX_PAIRS];
+        for (int64_t c = 0; c < pairs; c++) split_bf16(v + 32 * c, &vv[2 * c], &vv[2 * c + 1]);
+        for (int g = 0; g < NG; g++) {
+            const __m512 w = _mm512_set1_ps(p[g * stride + l]);
+            for (int64_t j = 0; j < 2 * pairs; j++) a[g][j] = _mm512_fmadd_ps(w, vv[j], a[g][j]);
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        for (int64_t j = 0; j < 2 * pairs; j++) acc[g][j] = a[g][j];
+}
+
+/* One prefill job: the G query heads of KV head kvh (heads kvh G ..) of the chunk's rows i0 .. i1 - 1,
+ * row i seeing keys 0 .. base + i. `work` holds (i1 - i0) G (hd + n + 16) + 16 hd floats and
+ * (i1 - i0) G tops, n = base + i1: the heads' queries in fp32, their score rows, a key tile. */
+static inline __attribute__((always_inline)) void prefill_job(const uint16_t *q, int64_t q_stride,
+                                                              const uint16_t *k_cache, const uint16_t *v_cache,
+                                                              const int64_t *slots, int64_t base, int64_t i0,
+                                                              int64_t i1, int64_t H, int64_t Hkv, const int64_t hd,
+                                                              int64_t kvh, float scale, float *work, __m512 *top,
+                                                              uint16_t *out) {
+    const int64_t G = H / Hkv, nq = (i1 - i0) * G, longest = base + i1, stride = longest + 16;
+    const int64_t row = Hkv * hd, off = kvh * hd, pairs = hd / 32;
+    float *qf = work, *s = qf + nq * hd, *kt = s + nq * stride;
+#define HEAD(t) ((i0 + (t) / G) * H + kvh * G + (t) % G)  /* query head t's index in q and out rows */
+#define SEES(t) (base + i0 + (t) / G + 1)                 /* the keys it sees */
+    for (int64_t t = 0; t < nq; t++) {
+        const uint16_t *src = q + (i0 + t / G) * q_stride + (kvh * G + t % G) * hd;
+        for (int64_t d = 0; d < hd; d += 16) _mm512_storeu_ps(qf + t * hd + d, bf16x16(src + d));
+        top[t] = _mm512_set1_ps(-INFINITY);
+    }
+    for (int64_t l0 = 0; l0 < longest; l0 += 16) {
+        transpose_keys(k_cache, slots + l0, longest - l0 < 16 ? longest - l0 : 16, row, off, hd, kt);
+        for (int64_t t0 = 0; t0 < nq; t0 += SCORE_GROUP) {
+            const int NG = nq - t0 < SCORE_GROUP ? (int)(nq - t0) : SCORE_GROUP;
+            if (SEES(t0 + NG - 1) <= l0) continue;  /* rows see more keys as t rises */
+            __m512 sc[SCORE_GROUP];
+            switch (NG) {
+                case 1: score16(kt, qf + t0 * hd, hd, 1, sc); break;
+                case 2: score16(kt, qf + t0 * hd, hd, 2, sc); break;
+                case 3: score16(kt, qf + t0 * hd, hd, 3, sc); break;
+                default: score16(kt, qf + t0 * hd, hd, SCORE_GROUP, sc); break;
+            }
+            for (int g = 0; g < NG; g++) {
+                const int64_t count = SEES(t0 + g) - l0;
+                if (count <= 0) continue;
+                const __mmask16 keep = count >= 16 ? 0xFFFF : (__mmask16)((1u << count) - 1);
+                const __m512 scores = _mm512_mul_ps(sc[g], _mm512_set1_ps(scale));
+                _mm512_mask_storeu_ps(s + (t0 + g) * stride + l0, keep, scores);
+                top[t0 + g] = _mm512_mask_max_ps(top[t0 + g], keep, top[t0 + g], scores);
+            }
+        }
+    }
+    const int group = hd <= 64 ? 4 : 2;  /* heads whose weighted values run together, sharing each value */
+    for (int64_t t0 = 0; t0 < nq; t0 += group) {
+        const int NG = nq - t0 < group ? (int)(nq - t0) : group;
+        float inv[4];
+        __m512 acc[4][2 * MAX_PAIRS];
+        for (int g = 0; g < NG; g++) {
+            inv[g] = normalise(s + (t0 + g) * stride, SEES(t0 + g), top[t0 + g]);
+            for (int64_t j = 0; j < 2 * pairs; j++) acc[g][j] = _mm512_setzero_ps();
+        }
+        /* all of them the keys the first sees, then each the rest of its own */
+        const float *p = s + t0 * stride;
+        switch (NG) {
+            case 1: weigh(acc, 1, p, stride, v_cache, slots, 0, SEES(t0), row, off, hd); break;
+            case 2: weigh(acc, 2, p, stride, v_cache, slots, 0, SEES(t0), row, off, hd); break;
+            case 3: weigh(acc, 3, p, stride, v_cache, slots, 0, SEES(t0), row, off, hd); break;
+            default: weigh(acc, 4, p, stride, v_cache, slots, 0, SEES(t0), row, off, hd); break;
+        }
+        for (int g = 1; g < NG; g++)
+            weigh(acc + g, 1, p + g * stride, stride, v_cache, slots, SEES(t0), SEES(t0 + g), row, off, hd);
+        for (int g = 0; g < NG; g++) store_head(acc[g], inv[g], pairs, out + HEAD(t0 + g) * hd);
+    }
+#undef HEAD
+#undef SEES
+}
+
 /* A chunk of L query tokens of one sequence, the last L of its C context tokens (at `slots`, this
  * chunk's own K/V included): query i attends keys 0 .. C - L + i. q [L, H, hd] with rows `q_stride`
- * apart; out [L, H, hd]. */
+ * apart; out [L, H, hd]. Bit for bit what forge_decode_attention gives each query (see above). A
+ * job is a run of rows and the heads of one KV head: PREFILL_HEADS query heads share each key tile. */
 int forge_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                             const int64_t *slots, int64_t C, int64_t L, int64_t H, int64_t Hkv, int64_t hd,
                             float scale, uint16_t *out, int threads) {
     if (!shapes_ok(H, Hkv, hd) || L > C || L < 1) return 1;
-    float *scores = malloc(sizeof(float) * (size_t)(threads * MAX_GROUP * (C + 16)));
-    if (!scores) return 2;
-    const int64_t group = H / Hkv;
-#pragma omp parallel for schedule(dynamic, 2) num_threads(threads)
-    for (int64_t job = 0; job < L * Hkv; job++) {  /* a query row's heads of one KV head */
-        const int64_t i = L - 1 - job / Hkv, kvh = job % Hkv;  /* longest rows first */
-        attend_heads(q + i * q_stride, k_cache, v_cache, slots, C - L + i + 1, H, Hkv, hd, kvh * group,
-                     (kvh + 1) * group, scale, scores + (int64_t)omp_get_thread_num() * MAX_GROUP * (C + 16),
-                     out + i * H * hd);
+    const int64_t G = H / Hkv, rows = G >= PREFILL_HEADS ? 1 : PREFILL_HEADS / G, blocks = (L + rows - 1) / rows;
+    const int64_t floats = (rows * G * (hd + C + 16) + 16 * hd + 15) / 16 * 16;  /* whole cache lines */
+    float *work = aligned_alloc(64, 64 * (size_t)(threads * (floats / 16 + rows * G)));
+    if (!work) return 2;
+    __m512 *tops = (__m512 *)(work + threads * floats);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t job = 0; job < blocks * Hkv; job++) {  /* the last rows, which see the most keys, first */
+        const int64_t b = blocks - 1 - job / Hkv, kvh = job % Hkv, i0 = b * rows, i1 = i0 + rows < L ? i0 + rows : L;
+        const int thread = omp_get_thread_num();
+        float *w = work + thread * floats;
+        __m512 *top = tops + thread * rows * G;
+        switch (hd) {
+            case 64: prefill_job(q, q_stride, k_cache, v_cache, slots, C - L, i0, i1, H, Hkv, 64, kvh, scale, w, top, out); break;
+            case 128: prefill_job(q, q_stride, k_cache, v_cache, slots, C - L, i0, i1, H, Hkv, 128, kvh, scale, w, top, out); break;
+            default: prefill_job(q, q_stride, k_cache, v_cache, slots, C - L, i0, i1, H, Hkv, hd, kvh, scale, w, top, out); break;
+        }
     }
-    free(scores);
+    free(work);
     return 0;
 }
