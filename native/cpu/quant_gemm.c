@@ -47,6 +47,7 @@
 #define GROUP 32
 #define TILE 16  /* weight rows per tile: one per int32 lane */
 #define ROWS 8   /* activation rows per pass over a tile */
+#define PARALLEL_BLOCKS 8  /* blocks of ROWS rows from which all threads quantise the activations */
 _Static_assert(ROWS <= 8, "need[] holds one bit per row of a block");
 
 enum { OK = 0, BAD_SHAPE = 1, NO_MEMORY = 2 };
@@ -66,7 +67,7 @@ static inline __m512 load16(const void *x, int bf16, int64_t at) {
     return _mm512_loadu_ps((const float *)x + at);
 }
 
-/* x [M, K] (bf16 or fp32) -> int8 levels a0 (in a) and, with levels = 2, a1 (in a_fine), with
+/* Rows m0 .. m1 - 1 (m0 a multiple of ROWS) of x [M, K] (bf16 or fp32) -> int8 levels a0 (in a) and, with levels = 2, a1 (in a_fine), with
  * x ~ xd (a0 + a1 / 254), and scales xd and xs = xd * sum(a0 + a1 / 254) per row and group of 32
  * (stored as below). The second level carries the first one's rounding error in the groups that
  * hold one of the row's large values (amax > fine_above * the row's RMS; all groups when
@@ -80,12 +81,12 @@ static inline int64_t at_block(int64_t m, int64_t g, int64_t groups) {  /* row m
     return (m / ROWS * groups + g) * ROWS + m % ROWS;
 }
 
-static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int levels, float fine_above,
-                          int8_t *a, int8_t *a_fine, float *xd, float *xs, uint8_t *need) {
+static void quantize_rows(const void *x, int x_bf16, int64_t m0, int64_t m1, int64_t K, int levels,
+                          float fine_above, int8_t *a, int8_t *a_fine, float *xd, float *xs, uint8_t *need) {
     const int64_t groups = K / GROUP;
     const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
-    memset(need, 0, ((M + ROWS - 1) / ROWS) * groups);
-    for (int64_t m = 0; m < M; m++) {
+    memset(need + m0 / ROWS * groups, 0, ((m1 - m0 + ROWS - 1) / ROWS) * groups);
+    for (int64_t m = m0; m < m1; m++) {
         __m512 squares = _mm512_setzero_ps();
         for (int64_t at = m * K; at < (m + 1) * K; at += 16) {
             const __m512 v = load16(x, x_bf16, at);
@@ -253,7 +254,17 @@ static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64
     float *xd = (float *)(a + levels * padded * K), *xs = xd + padded * groups;
     uint8_t *need = (uint8_t *)(xs + padded * groups);
     int8_t *a_fine = levels == 2 ? a + padded * K : NULL;  /* the second level, read where need[] says */
-    quantize_rows(x, x_bf16, M, K, levels, fine_above, a, a_fine, xd, xs, need);
+    /* A prefill chunk's rows are quantised by all threads, a block of rows each at a time (one
+     * thread alone took about a sixth of a 512-row GEMM); a few rows by one, where waking the
+     * others costs more than it saves. */
+    if (blocks >= PARALLEL_BLOCKS) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t b = 0; b < blocks; b++)
+            quantize_rows(x, x_bf16, b * ROWS, (b + 1) * ROWS < M ? (b + 1) * ROWS : M, K, levels, fine_above, a,
+                          a_fine, xd, xs, need);
+    } else {
+        quantize_rows(x, x_bf16, 0, M, K, levels, fine_above, a, a_fine, xd, xs, need);
+    }
     /* Tiles go to threads in chunks as they free up, so that a thread held up (another process on
      * its core) does not hold up the call; a call of one block of rows is too short to share out
      * finer than the threads. */
