@@ -19,7 +19,8 @@
  * about one group in five on the default model's decode steps (see FINE_ABOVE in cpu_kernels.py
  * for what that costs in fidelity: top tokens flip no more often than with it everywhere).
  * Rows go through a tile in blocks of 8, so that each pass over a tile's weights (unpacked once
- * per group) serves 8 rows, and 8 independent VNNI chains hide the instruction's latency. The
+ * per group) serves 8 rows, and 8 independent VNNI chains hide the instruction's latency; in a
+ * prefill chunk, a q4 tile is unpacked once for all its blocks. The
  * first level runs over every group; then, for each group that some row of the block needs at
  * the second level, the weights are unpacked once more and only those rows take it (about one
  * group in five per row, against one in three to one in two for a block's rows together). Each
@@ -40,6 +41,7 @@
  * loaded torch it shares torch's OpenMP runtime and thread pool.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,6 +49,7 @@
 #define GROUP 32
 #define TILE 16  /* weight rows per tile: one per int32 lane */
 #define ROWS 8   /* activation rows per pass over a tile */
+#define UNPACK_ONCE_ROWS (8 * ROWS)  /* past this many rows, a q4 tile is unpacked once for all of them */
 #define PARALLEL_BLOCKS 8  /* blocks of ROWS rows from which all threads quantise the activations */
 _Static_assert(ROWS <= 8, "need[] holds one bit per row of a block");
 
@@ -164,11 +167,13 @@ static inline __m512i dot8(const __m512i *chunk, const int8_t *x) {  /* one acti
  * adds into y in memory, one row at a time, groups in order as the first level. The block's rows
  * are read at fixed offsets (see quantize_rows), and each chunk of weights meets every row before
  * the next chunk is taken, so R VNNI chains run side by side. */
-static inline __attribute__((always_inline)) void tile(int q4, const uint8_t *codes, const uint16_t *wd16,
-                                                       const uint16_t *wm16, const int8_t *a, const int8_t *a_fine,
-                                                       const float *xd, const float *xs, const uint8_t *need,
-                                                       int64_t K, int64_t b, const int R, __m512 *y) {
-    const int64_t groups = K / GROUP, group_bytes = q4 ? TILE * GROUP / 2 : TILE * GROUP;
+static inline __attribute__((always_inline)) void tile(int q4, int unpacked, const uint8_t *codes,
+                                                       const uint16_t *wd16, const uint16_t *wm16, const int8_t *a,
+                                                       const int8_t *a_fine, const float *xd, const float *xs,
+                                                       const uint8_t *need, int64_t K, int64_t b, const int R,
+                                                       __m512 *y) {
+    const int packed = q4 && !unpacked;  /* codes in the q4 layout; else 8 vectors a group, as q8 */
+    const int64_t groups = K / GROUP, group_bytes = packed ? TILE * GROUP / 2 : TILE * GROUP;
     __m512i chunk[8];
     __m512 acc[ROWS];
 #pragma GCC unroll 8
@@ -177,7 +182,7 @@ static inline __attribute__((always_inline)) void tile(int q4, const uint8_t *co
         const int64_t slot = (b * groups + g) * ROWS;
         const int8_t *ab = a + slot * GROUP;
         const float *xdb = xd + slot, *xsb = xs + slot;
-        unpack(q4, codes + g * group_bytes, chunk);
+        unpack(packed, codes + g * group_bytes, chunk);
         __m512i dot[ROWS];
 #pragma GCC unroll 8
         for (int i = 0; i < R; i++) dot[i] = _mm512_setzero_si512();
@@ -203,7 +208,7 @@ static inline __attribute__((always_inline)) void tile(int q4, const uint8_t *co
         unsigned rows = need[g];
         if (!rows) continue;
         const int64_t slot = (b * groups + g) * ROWS;
-        unpack(q4, codes + g * group_bytes, chunk);
+        unpack(packed, codes + g * group_bytes, chunk);
         const __m512 wd = halves(wd16 + g * TILE);
         for (; rows; rows &= rows - 1) {
             const int i = __builtin_ctz(rows);
@@ -220,24 +225,44 @@ static inline __attribute__((always_inline)) void tile_rows(int q4, int64_t t, c
                                                             const int8_t *a, const int8_t *a_fine,
                                                             const float *xd, const float *xs,
                                                             const uint8_t *need, int64_t M, int64_t K, int64_t N,
-                                                            void *out, int out_bf16) {
+                                                            void *out, int out_bf16, uint8_t *spare) {
     const int64_t groups = K / GROUP, tile_bytes = (q4 ? K / 2 : K) * TILE;
     const uint8_t *w = codes + t * tile_bytes;
     const uint16_t *d = wd16 + t * groups * TILE, *o = q4 ? wm16 + t * groups * TILE : NULL;
+    /* With many blocks of rows (a prefill chunk), a q4 tile's codes are unpacked once, into `spare`
+     * (K / 32 groups of 8 vectors, as q8's), and each block reads them from there. Storing them
+     * costs more than unpacking again up to about 8 blocks (measured: +10% at 2-4, even at 8,
+     * -8% at 64). */
+    const int unpacked = q4 && M > UNPACK_ONCE_ROWS;
+    if (unpacked) {
+        for (int64_t g = 0; g < groups; g++) {
+            __m512i chunk[8];
+            unpack(1, w + g * TILE * GROUP / 2, chunk);
+            for (int c = 0; c < 8; c++) _mm512_store_si512(spare + (g * 8 + c) * 64, chunk[c]);
+        }
+        w = spare;
+    }
     __m512 y[ROWS];
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
         const int64_t rows = M - m0 < ROWS ? M - m0 : ROWS, b = m0 / ROWS;
         const uint8_t *rows_need = need + b * groups;
+#define TILE_CASE(R)                                                                        \
+    if (unpacked)                                                                           \
+        tile(q4, 1, w, d, o, a, a_fine, xd, xs, rows_need, K, b, R, y);                     \
+    else                                                                                    \
+        tile(q4, 0, w, d, o, a, a_fine, xd, xs, rows_need, K, b, R, y);                     \
+    break;
         switch (rows) {
-            case 1: tile(q4, w, d, o, a, a_fine, xd, xs, rows_need, K, b, 1, y); break;
-            case 2: tile(q4, w, d, o, a, a_fine, xd, xs, rows_need, K, b, 2, y); break;
-            case 3: tile(q4, w, d, o, a, a_fine, xd, xs, rows_need, K, b, 3, y); break;
-            case 4: tile(q4, w, d, o, a, a_fine, xd, xs, rows_need, K, b, 4, y); break;
-            case 5: tile(q4, w, d, o, a, a_fine, xd, xs, rows_need, K, b, 5, y); break;
-            case 6: tile(q4, w, d, o, a, a_fine, xd, xs, rows_need, K, b, 6, y); break;
-            case 7: tile(q4, w, d, o, a, a_fine, xd, xs, rows_need, K, b, 7, y); break;
-            default: tile(q4, w, d, o, a, a_fine, xd, xs, rows_need, K, b, 8, y); break;
+            case 1: TILE_CASE(1)
+            case 2: TILE_CASE(2)
+            case 3: TILE_CASE(3)
+            case 4: TILE_CASE(4)
+            case 5: TILE_CASE(5)
+            case 6: TILE_CASE(6)
+            case 7: TILE_CASE(7)
+            default: TILE_CASE(8)
         }
+#undef TILE_CASE
         for (int64_t i = 0; i < rows; i++) store16(out, out_bf16, (m0 + i) * N + t * TILE, y[i]);
     }
 }
@@ -265,6 +290,11 @@ static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64
     } else {
         quantize_rows(x, x_bf16, 0, M, K, levels, fine_above, a, a_fine, xd, xs, need);
     }
+    uint8_t *spare = NULL;  /* a q4 tile's codes, unpacked once per tile for many blocks of rows */
+    if (q4 && M > UNPACK_ONCE_ROWS && !(spare = aligned_alloc(64, (size_t)(threads * groups * TILE * GROUP)))) {
+        free(a);
+        return NO_MEMORY;
+    }
     /* Tiles go to threads in chunks as they free up, so that a thread held up (another process on
      * its core) does not hold up the call; a call of one block of rows is too short to share out
      * finer than the threads. */
@@ -275,10 +305,12 @@ static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64
 #pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
     for (int64_t t = 0; t < tiles; t++) {
         if (q4)
-            tile_rows(1, t, codes, wd16, wm16, a, a_fine, xd, xs, need, M, K, N, out, out_bf16);
+            tile_rows(1, t, codes, wd16, wm16, a, a_fine, xd, xs, need, M, K, N, out, out_bf16,
+                      spare + (int64_t)omp_get_thread_num() * groups * TILE * GROUP);
         else
-            tile_rows(0, t, codes, wd16, NULL, a, a_fine, xd, xs, need, M, K, N, out, out_bf16);
+            tile_rows(0, t, codes, wd16, NULL, a, a_fine, xd, xs, need, M, K, N, out, out_bf16, NULL);
     }
+    free(spare);
     free(a);
     return OK;
 }
