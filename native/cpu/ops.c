@@ -339,7 +339,8 @@ static inline __attribute__((always_inline)) void transpose_keys(const uint16_t 
             r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
         }
         for (int j = 0; j < 4; j++) {
-            const __m512 v1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), v2 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
+            const __m512 v1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+            const __m512 v2 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
             const __m512 w1 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
             const __m512 w2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
             _mm512_storeu_ps(kt + (d0 + j) * 16, _mm512_shuffle_f32x4(v1, w1, 0x88));
@@ -363,7 +364,8 @@ static inline __attribute__((always_inline)) void partial(const float *kt, const
     }
 }
 
-/* sum16's tree over the partials, level by level: pairs j, j + 8; then those sums j, j + 4; then j, j + 2. */
+/* sum16's tree over the partials, level by level: pairs j, j + 8; then those sums j, j + 4; then j, j + 2.
+ * Written out level by level: one loop over the levels (all 16 partials first) measured 8-10% slower. */
 static inline __attribute__((always_inline)) void level8(const float *kt, const float *qf, const int64_t hd,
                                                          const int NG, int j, __m512 *y) {
     __m512 a[SCORE_GROUP], b[SCORE_GROUP];
@@ -505,11 +507,13 @@ int forge_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t 
         const int thread = omp_get_thread_num();
         float *w = work + thread * floats;
         __m512 *top = tops + thread * rows * G;
-        switch (hd) {
-            case 64: prefill_job(q, q_stride, k_cache, v_cache, slots, C - L, i0, i1, H, Hkv, 64, kvh, scale, w, top, out); break;
-            case 128: prefill_job(q, q_stride, k_cache, v_cache, slots, C - L, i0, i1, H, Hkv, 128, kvh, scale, w, top, out); break;
-            default: prefill_job(q, q_stride, k_cache, v_cache, slots, C - L, i0, i1, H, Hkv, hd, kvh, scale, w, top, out); break;
+#define JOB(HD) prefill_job(q, q_stride, k_cache, v_cache, slots, C - L, i0, i1, H, Hkv, HD, kvh, scale, w, top, out)
+        switch (hd) {  /* head sizes with their own compiled loop, as in ATTEND_HD */
+            case 64: JOB(64); break;
+            case 128: JOB(128); break;
+            default: JOB(hd); break;
         }
+#undef JOB
     }
     free(work);
     return 0;

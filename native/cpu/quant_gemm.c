@@ -20,13 +20,13 @@
  * for what that costs in fidelity: top tokens flip no more often than with it everywhere).
  * Rows go through a tile in blocks of 8, so that each pass over a tile's weights (unpacked once
  * per group) serves 8 rows, and 8 independent VNNI chains hide the instruction's latency; in a
- * prefill chunk, a q4 tile is unpacked once for all its blocks. The
- * first level runs over every group; then, for each group that some row of the block needs at
- * the second level, the weights are unpacked once more and only those rows take it (about one
- * group in five per row, against one in three to one in two for a block's rows together). Each
- * row sums its groups in the same order whatever its block: a row's result does not depend on M,
- * on the rows batched with it, or on which prefill chunk it came in (batch invariance, which
- * greedy determinism rests on).
+ * prefill chunk, a q4 tile is unpacked once for all its blocks. The first level runs over every
+ * group; then, for each group that some row of the block needs at the second level, the weights
+ * are unpacked (or read) once more and only those rows take it (about one group in five per row,
+ * against one in three to one in two for a block's rows together). Each row sums its groups in
+ * the same order whatever its block: a row's result does not depend on M, on the rows batched
+ * with it, or on which prefill chunk it came in (batch invariance, which greedy determinism rests
+ * on).
  *
  * Layout: weight rows in tiles of 16, so that the 16 int32 lanes of a VNNI product are 16 output
  * columns and nothing needs a horizontal sum. For each tile and group, a run of 64-byte vectors
@@ -70,11 +70,11 @@ static inline __m512 load16(const void *x, int bf16, int64_t at) {
     return _mm512_loadu_ps((const float *)x + at);
 }
 
-/* Rows m0 .. m1 - 1 (m0 a multiple of ROWS) of x [M, K] (bf16 or fp32) -> int8 levels a0 (in a) and, with levels = 2, a1 (in a_fine), with
- * x ~ xd (a0 + a1 / 254), and scales xd and xs = xd * sum(a0 + a1 / 254) per row and group of 32
- * (stored as below). The second level carries the first one's rounding error in the groups that
- * hold one of the row's large values (amax > fine_above * the row's RMS; all groups when
- * fine_above is 0) and is zero elsewhere.
+/* Rows m0 .. m1 - 1 (m0 a multiple of ROWS) of x [M, K] (bf16 or fp32) -> int8 levels a0 (in a)
+ * and, with levels = 2, a1 (in a_fine), with x ~ xd (a0 + a1 / 254), and scales xd and
+ * xs = xd * sum(a0 + a1 / 254) per row and group of 32 (stored as below). The second level
+ * carries the first one's rounding error in the groups that hold one of the row's large values
+ * (amax > fine_above * the row's RMS; all groups when fine_above is 0) and is zero elsewhere.
  * Bit i of need[b][g] says that row ROWS b + i has a second level in group g.
  *
  * Each level is stored by block of ROWS rows, group by group: [M / ROWS][K / 32][ROWS][32] (xd and
