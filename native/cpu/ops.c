@@ -168,6 +168,37 @@ static inline void store_head(const __m512 *acc, float inv, int64_t pairs, uint1
 
 #define MAX_GROUP 4  /* query heads per KV head that run together; more run in runs of this many */
 
+/* The first `count` of 16 scores (all of them from 16 up) stored at s, and kept in `top`, a running
+ * maximum per lane. */
+static inline void keep_scores(float *s, __m512 scores, int64_t count, __m512 *top) {
+    const __mmask16 keep = count >= 16 ? 0xFFFF : (__mmask16)((1u << count) - 1);
+    _mm512_mask_storeu_ps(s, keep, scores);
+    *top = _mm512_mask_max_ps(*top, keep, *top, scores);
+}
+
+/* acc[g] += p[g stride + l] V[l] for l in lb .. le - 1, in order, g < NG: the weighted values of NG
+ * heads of one KV head (V at `slots`, rows `row` apart from `off`), each value read and split once. */
+static inline __attribute__((always_inline)) void weigh(__m512 (*acc)[2 * MAX_PAIRS], const int NG, const float *p,
+                                                        int64_t stride, const uint16_t *v_cache, const int64_t *slots,
+                                                        int64_t lb, int64_t le, int64_t row, int64_t off,
+                                                        const int64_t hd) {
+    const int64_t pairs = hd / 32;
+    __m512 a[MAX_GROUP][2 * MAX_PAIRS];
+    for (int g = 0; g < NG; g++)
+        for (int64_t j = 0; j < 2 * pairs; j++) a[g][j] = acc[g][j];
+    for (int64_t l = lb; l < le; l++) {
+        const uint16_t *v = v_cache + slots[l] * row + off;
+        __m512 vv[2 * MAX_PAIRS];
+        for (int64_t c = 0; c < pairs; c++) split_bf16(v + 32 * c, &vv[2 * c], &vv[2 * c + 1]);
+        for (int g = 0; g < NG; g++) {
+            const __m512 w = _mm512_set1_ps(p[g * stride + l]);
+            for (int64_t j = 0; j < 2 * pairs; j++) a[g][j] = _mm512_fmadd_ps(w, vv[j], a[g][j]);
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        for (int64_t j = 0; j < 2 * pairs; j++) acc[g][j] = a[g][j];
+}
+
 /* G query heads (q: G heads of hd, contiguous) against n keys at `slots` of their shared KV head
  * (rows `row` apart from `off`): out = softmax(scale q.K) V per head, in fp32, rounded to bf16.
  * Each key and value is read and widened once for all G heads. `s` holds G (n + 16) floats of
@@ -211,27 +242,15 @@ static inline __attribute__((always_inline)) void attend(const uint16_t *q, cons
                 dots[g][i] = dot;
             }
         }
-        const __mmask16 keep = count == 16 ? 0xFFFF : (__mmask16)((1u << count) - 1);
-        for (int g = 0; g < G; g++) {
-            const __m512 scores = _mm512_mul_ps(sum16(dots[g]), _mm512_set1_ps(scale));
-            _mm512_mask_storeu_ps(s + g * stride + l0, keep, scores);
-            top[g] = _mm512_mask_max_ps(top[g], keep, top[g], scores);
-        }
+        for (int g = 0; g < G; g++)
+            keep_scores(s + g * stride + l0, _mm512_mul_ps(sum16(dots[g]), _mm512_set1_ps(scale)), count, &top[g]);
     }
     float inv[MAX_GROUP];
     for (int g = 0; g < G; g++) inv[g] = normalise(s + g * stride, n, top[g]);
     __m512 acc[MAX_GROUP][2 * MAX_PAIRS];  /* even and odd elements of each 32 */
     for (int g = 0; g < G; g++)
         for (int64_t j = 0; j < 2 * pairs; j++) acc[g][j] = _mm512_setzero_ps();
-    for (int64_t l = 0; l < n; l++) {
-        const uint16_t *v = v_cache + slots[l] * row + off;
-        __m512 vv[2 * MAX_PAIRS];
-        for (int64_t c = 0; c < pairs; c++) split_bf16(v + 32 * c, &vv[2 * c], &vv[2 * c + 1]);
-        for (int g = 0; g < G; g++) {
-            const __m512 p = _mm512_set1_ps(s[g * stride + l]);
-            for (int64_t j = 0; j < 2 * pairs; j++) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
-        }
-    }
+    weigh(acc, G, s, stride, v_cache, slots, 0, n, row, off, hd);
     for (int g = 0; g < G; g++) store_head(acc[g], inv[g], pairs, out + g * hd);
 }
 
@@ -399,29 +418,6 @@ static inline __attribute__((always_inline)) void score16(const float *kt, const
     for (int g = 0; g < NG; g++) s[g] = _mm512_add_ps(a[g], b[g]);
 }
 
-/* acc[g] += p[g stride + l] V[l] for l in lb .. le - 1, in order, g < NG: the weighted values of NG
- * heads of one KV head (V at `slots`, rows `row` apart from `off`), each value read and split once. */
-static inline __attribute__((always_inline)) void weigh(__m512 (*acc)[2 * MAX_PAIRS], const int NG, const float *p,
-                                                        int64_t stride, const uint16_t *v_cache, const int64_t *slots,
-                                                        int64_t lb, int64_t le, int64_t row, int64_t off,
-                                                        const int64_t hd) {
-    const int64_t pairs = hd / 32;
-    __m512 a[4][2 * MAX_PAIRS];
-    for (int g = 0; g < NG; g++)
-        for (int64_t j = 0; j < 2 * pairs; j++) a[g][j] = acc[g][j];
-    for (int64_t l = lb; l < le; l++) {
-        const uint16_t *v = v_cache + slots[l] * row + off;
-        __m512 vv[2 * MAX_PAIRS];
-        for (int64_t c = 0; c < pairs; c++) split_bf16(v + 32 * c, &vv[2 * c], &vv[2 * c + 1]);
-        for (int g = 0; g < NG; g++) {
-            const __m512 w = _mm512_set1_ps(p[g * stride + l]);
-            for (int64_t j = 0; j < 2 * pairs; j++) a[g][j] = _mm512_fmadd_ps(w, vv[j], a[g][j]);
-        }
-    }
-    for (int g = 0; g < NG; g++)
-        for (int64_t j = 0; j < 2 * pairs; j++) acc[g][j] = a[g][j];
-}
-
 /* One prefill job: the G query heads of KV head kvh (heads kvh G ..) of the chunk's rows i0 .. i1 - 1,
  * row i seeing keys 0 .. base + i. `work` holds (i1 - i0) G (hd + n + 16) + 16 hd floats and
  * (i1 - i0) G tops, n = base + i1: the heads' queries in fp32, their score rows, a key tile. */
@@ -453,21 +449,17 @@ static inline __attribute__((always_inline)) void prefill_job(const uint16_t *q,
                 case 3: score16(kt, qf + t0 * hd, hd, 3, sc); break;
                 default: score16(kt, qf + t0 * hd, hd, SCORE_GROUP, sc); break;
             }
-            for (int g = 0; g < NG; g++) {
-                const int64_t count = SEES(t0 + g) - l0;
-                if (count <= 0) continue;
-                const __mmask16 keep = count >= 16 ? 0xFFFF : (__mmask16)((1u << count) - 1);
-                const __m512 scores = _mm512_mul_ps(sc[g], _mm512_set1_ps(scale));
-                _mm512_mask_storeu_ps(s + (t0 + g) * stride + l0, keep, scores);
-                top[t0 + g] = _mm512_mask_max_ps(top[t0 + g], keep, top[t0 + g], scores);
-            }
+            for (int g = 0; g < NG; g++)
+                if (SEES(t0 + g) > l0)
+                    keep_scores(s + (t0 + g) * stride + l0, _mm512_mul_ps(sc[g], _mm512_set1_ps(scale)),
+                                SEES(t0 + g) - l0, &top[t0 + g]);
         }
     }
     const int group = hd <= 64 ? 4 : 2;  /* heads whose weighted values run together, sharing each value */
     for (int64_t t0 = 0; t0 < nq; t0 += group) {
         const int NG = nq - t0 < group ? (int)(nq - t0) : group;
-        float inv[4];
-        __m512 acc[4][2 * MAX_PAIRS];
+        float inv[MAX_GROUP];
+        __m512 acc[MAX_GROUP][2 * MAX_PAIRS];
         for (int g = 0; g < NG; g++) {
             inv[g] = normalise(s + (t0 + g) * stride, SEES(t0 + g), top[t0 + g]);
             for (int64_t j = 0; j < 2 * pairs; j++) acc[g][j] = _mm512_setzero_ps();

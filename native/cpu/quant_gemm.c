@@ -229,11 +229,9 @@ static inline __attribute__((always_inline)) void tile_rows(int q4, int64_t t, c
     const int64_t groups = K / GROUP, tile_bytes = (q4 ? K / 2 : K) * TILE;
     const uint8_t *w = codes + t * tile_bytes;
     const uint16_t *d = wd16 + t * groups * TILE, *o = q4 ? wm16 + t * groups * TILE : NULL;
-    /* With many blocks of rows (a prefill chunk), a q4 tile's codes are unpacked once, into `spare`
-     * (K / 32 groups of 8 vectors, as q8's), and each block reads them from there. Storing them
-     * costs more than unpacking again up to about 8 blocks (measured: +10% at 2-4, even at 8,
-     * -8% at 64). */
-    const int unpacked = q4 && M > UNPACK_ONCE_ROWS;
+    /* Given `spare` (linear does, for a q4 weight and many blocks of rows), the tile's codes are
+     * unpacked once into it (K / 32 groups of 8 vectors, as q8's), and each block reads them there. */
+    const int unpacked = spare != NULL;
     if (unpacked) {
         for (int64_t g = 0; g < groups; g++) {
             __m512i chunk[8];
@@ -290,7 +288,9 @@ static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64
     } else {
         quantize_rows(x, x_bf16, 0, M, K, levels, fine_above, a, a_fine, xd, xs, need);
     }
-    uint8_t *spare = NULL;  /* a q4 tile's codes, unpacked once per tile for many blocks of rows */
+    /* A q4 tile's codes, unpacked once per tile for many blocks of rows: storing them costs more
+     * than unpacking again up to about 8 blocks (measured: +10% at 2-4, even at 8, -8% at 64). */
+    uint8_t *spare = NULL;
     if (q4 && M > UNPACK_ONCE_ROWS && !(spare = aligned_alloc(64, (size_t)(threads * groups * TILE * GROUP)))) {
         free(a);
         return NO_MEMORY;
@@ -306,7 +306,7 @@ static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64
     for (int64_t t = 0; t < tiles; t++) {
         if (q4)
             tile_rows(1, t, codes, wd16, wm16, a, a_fine, xd, xs, need, M, K, N, out, out_bf16,
-                      spare + (int64_t)omp_get_thread_num() * groups * TILE * GROUP);
+                      spare ? spare + (int64_t)omp_get_thread_num() * groups * TILE * GROUP : NULL);
         else
             tile_rows(0, t, codes, wd16, NULL, a, a_fine, xd, xs, need, M, K, N, out, out_bf16, NULL);
     }
