@@ -50,7 +50,7 @@
 #define TILE 16  /* weight rows per tile: one per int32 lane */
 #define ROWS 8   /* activation rows per pass over a tile */
 #define UNPACK_ONCE_ROWS (8 * ROWS)  /* past this many rows, a q4 tile is unpacked once for all of them */
-#define PARALLEL_BLOCKS 8  /* blocks of ROWS rows from which all threads quantise the activations */
+#define PARALLEL_BLOCKS 4  /* blocks of ROWS rows from which all threads quantise the activations */
 _Static_assert(ROWS <= 8, "need[] holds one bit per row of a block");
 
 enum { OK = 0, BAD_SHAPE = 1, NO_MEMORY = 2 };
@@ -277,9 +277,10 @@ static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64
     float *xd = (float *)(a + levels * padded * K), *xs = xd + padded * groups;
     uint8_t *need = (uint8_t *)(xs + padded * groups);
     int8_t *a_fine = levels == 2 ? a + padded * K : NULL;  /* the second level, read where need[] says */
-    /* A prefill chunk's rows are quantised by all threads, a block of rows each at a time (one
-     * thread alone took about a sixth of a 512-row GEMM); a few rows by one, where waking the
-     * others costs more than it saves. */
+    /* From 4 blocks of rows (decode steps of 32 rows and prefill chunks) the rows are quantised by
+     * all threads, a block each at a time: one thread alone took about a sixth of a 512-row GEMM,
+     * and at 32 rows the others waited for it (a 32-row decode step, 20.3 -> 19.9 ms); below,
+     * by one, where waking the others costs more than it saves (16 rows: no gain). */
     if (blocks >= PARALLEL_BLOCKS) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t b = 0; b < blocks; b++)
