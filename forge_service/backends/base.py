@@ -106,7 +106,13 @@ class AttentionMetadata:
 
 
 class FusedDecode(Protocol):
-    """Every decoder layer of a decode step in one call (see `Backend.decode_plan`)."""
+    """Every decoder layer of a decode step in one call (see `Backend.decode_plan`).
+
+    `max_rows`: the most rows it takes (None: any); `row_block`: its kernels take rows in blocks
+    of this many, so that a step's cost jumps where its rows open a block (1: no such steps)."""
+
+    max_rows: int | None
+    row_block: int
 
     def takes(self, meta: Any, tokens: int) -> bool:
         """Whether it runs this step: `meta` in the backend's form, `tokens` rows in the batch."""

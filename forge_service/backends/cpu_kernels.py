@@ -39,6 +39,7 @@ GROUP = 32  # inputs per scale
 # level to the rows that have it only). See linear() for what it costs in fidelity.
 FINE_ABOVE = 4.0
 TILE = 16  # weight rows per tile
+ROWS = 8  # activation rows per pass over a tile (ROWS in quant_gemm.c)
 
 
 @dataclass
@@ -333,6 +334,9 @@ class DecodePlan:
                  intermediate: int, eps: float, scale: float) -> None:
         self.layers = layers  # keeps the weights the structs point at alive
         self.max_rows = None  # any decode step: the native GEMMs take every batch size
+        # The GEMMs take a step's rows in blocks of ROWS: a row that opens a block costs the block's
+        # pass over every weight, several rows' worth (see Scheduler's row_block).
+        self.row_block = ROWS
         self.dims = _Dims(hidden, heads, kv_heads, head_dim, intermediate, 0, eps, scale)
         self.table = (_Layer * len(layers))()
         for row, layer in zip(self.table, layers):

@@ -100,8 +100,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.arch, config.cache, self.dtype)
         self.runner.startup(config.scheduler.max_num_seqs, self.max_model_len)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        plan = getattr(self.model, "decode_plan", None)  # the fused decode's row bound, where there is one
-        self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative, getattr(plan, "max_rows", None))
+        plan = getattr(self.model, "decode_plan", None)  # the fused decode's row bound and block, where there is one
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative, getattr(plan, "max_rows", None),
+                                   getattr(plan, "row_block", 1))
         self.model_name = config.model.served_model_name or _name_from_path(path)
         self.eos_token_ids = tuple(self.arch.eos_token_ids or self.tokenizer.eos_token_ids)
         # Structured output: masks are as wide as the logits; the backend is built on first compile.

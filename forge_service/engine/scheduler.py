@@ -27,13 +27,17 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 speculative: SpeculativeConfig | None = None, max_decode_rows: int | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, max_decode_rows: int | None = None,
+                 row_block: int = 1) -> None:
         self.config = config
         self.kv = kv
         self.speculative = speculative or SpeculativeConfig(speculative="off")  # none given: no drafting
         # The most rows the backend runs a decode step on with its fast kernels (None: no bound);
         # drafts never take a step past it.
         self.max_decode_rows = max_decode_rows
+        # The backend's kernels take a decode step's rows in blocks of this many: drafts fill the
+        # rows the step's decodes leave free in their last block and never open another one.
+        self.row_block = row_block
         # Drafts for decodes (speculative decoding), None when it is off.
         self.proposer = NgramProposer(self.speculative) if self.speculative.enabled else None
         self.waiting: deque[Request] = deque()
@@ -180,12 +184,16 @@ class Scheduler:
         its row. With M decode rows a step costs about (base + M) rows' worth (base: the cost that
         does not grow with rows, spec_step_base_rows), so a plain token costs (base + M) / M rows,
         and a drafted one, costing one row, pays when it is kept with probability M / (base + M):
-        drafting is nearly free for one stream and worth it only on near-certain drafts for many."""
+        drafting is nearly free for one stream and worth it only on near-certain drafts for many.
+        Where the backend takes rows in blocks (row_block), a row that opens a block costs that
+        block's pass over the weights, not one row: drafts only fill the last block's free rows."""
         if self.proposer is None:
             return 0, 0.0
         room = self.speculative.spec_max_step_tokens
         if self.max_decode_rows is not None:
             room = min(room, max(0, self.max_decode_rows - decodes))
+        if self.row_block > 1:
+            room = min(room, -decodes % self.row_block)
         return room, decodes / (self.speculative.spec_step_base_rows + decodes) if decodes else 0.0
 
     def _draft(self, request: Request, limit: int, worth: float, block_ids: list[int]) -> tuple[list[int], list[int]]:

@@ -2,6 +2,9 @@
 per-kernel path it replaces, on the default model: the same tokens and logprobs, bit for bit."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +12,7 @@ from forge_service import LLM, SamplingParams
 from forge_service.backends import cpu_kernels
 from forge_service.backends.base import AttentionMetadata
 
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(cpu_kernels.library() is None,
                                                    reason="the native CPU kernels cannot run on this machine")]
 
@@ -37,7 +41,11 @@ def test_fused_decode_equals_the_per_kernel_path(fidelity_prompt_ids):
 
 
 def test_the_plan_takes_decode_steps_of_any_size_and_nothing_else(llm_fp32):
-    plan = LLM(dtype="bfloat16").engine.runner.model.decode_plan
+    engine = LLM(dtype="bfloat16").engine
+    plan = engine.runner.model.decode_plan
+    # its GEMMs' blocks of rows (ROWS in native/cpu/quant_gemm.c), which bound drafts in the scheduler
+    rows = re.search(r"#define ROWS (\d+)", (ROOT / "native/cpu/quant_gemm.c").read_text())
+    assert plan.row_block == engine.scheduler.row_block == int(rows[1])
     decode = AttentionMetadata(slot_mapping=torch.zeros(4, dtype=torch.long), block_size=16, num_decode_tokens=4,
                                decode_lens=torch.ones(4, dtype=torch.int32))
     assert plan.takes(decode, 4)

@@ -11,17 +11,23 @@ PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2]  # the bigram (1, 2) was fol
 
 
 def running(max_tokens: int = 30, stop=frozenset(), max_draft: int = 4, base_rows: float = 1e9,
-            max_decode_rows: int | None = None) -> tuple[Scheduler, Request]:
-    """A scheduler whose one request has been prefilled and sampled 3, so that it drafts next.
-    By default a step's rows cost nothing beside its base, so drafts are as long as allowed."""
+            max_decode_rows: int | None = None, row_block: int = 1, streams: int = 1) -> tuple[Scheduler, Request]:
+    """A scheduler whose requests (`streams` of them, the first returned) have been prefilled and
+    sampled 3, so that each drafts next. By default a step's rows cost nothing beside its base, so
+    drafts are as long as allowed."""
     spec = SpeculativeConfig(speculative="ngram", spec_max_draft=max_draft, spec_ngram_min=2, spec_ngram_max=3,
-                             spec_step_base_rows=base_rows)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), KVCacheManager(64, 4), spec, max_decode_rows)
-    request = Request("r", list(PROMPT), SamplingParams(max_tokens=max_tokens), stop_token_set=frozenset(stop))
-    sched.add(request)
+                             spec_step_base_rows=base_rows, spec_max_step_tokens=16)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=128), KVCacheManager(128, 4), spec, max_decode_rows,
+                      row_block)
+    requests = [Request(f"r{i}" if i else "r", list(PROMPT), SamplingParams(max_tokens=max_tokens),
+                        stop_token_set=frozenset(stop)) for i in range(streams)]
+    for request in requests:
+        sched.add(request)
     out = sched.schedule()
-    assert sched.advance(out.chunks[0], [3]) == 1
-    return sched, request
+    assert len(out.chunks) == streams
+    for chunk in out.chunks:
+        assert sched.advance(chunk, [3]) == 1
+    return sched, requests[0]
 
 
 def test_a_decode_gets_a_draft_from_its_own_tokens():
@@ -90,3 +96,16 @@ def test_drafts_never_take_a_step_past_the_fast_path_rows():
     sched, request = running(max_decode_rows=3)
     (chunk,) = sched.schedule().chunks
     assert len(chunk.draft) == 2  # 1 decode row + 2 drafted
+
+
+def test_drafts_fill_the_free_rows_of_the_last_row_block_and_open_no_other():
+    # The backend takes rows in blocks of 4: one stream drafts 3 (one block), 4 streams none,
+    # 6 streams 2 in all (the second block's free rows), oldest first.
+    sched, _ = running(row_block=4)
+    (chunk,) = sched.schedule().chunks
+    assert chunk.draft == [4, 5, 6]
+    for streams, drafts in ((4, [0, 0, 0, 0]), (6, [2, 0, 0, 0, 0, 0])):
+        sched, _ = running(row_block=4, streams=streams)
+        chunks = sched.schedule().chunks
+        assert [len(c.draft) for c in chunks] == drafts
+        assert sum(c.num_tokens for c in chunks) % 4 == 0
