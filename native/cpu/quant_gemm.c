@@ -167,13 +167,12 @@ static inline __m512i dot8(const __m512i *chunk, const int8_t *x) {  /* one acti
  * adds into y in memory, one row at a time, groups in order as the first level. The block's rows
  * are read at fixed offsets (see quantize_rows), and each chunk of weights meets every row before
  * the next chunk is taken, so R VNNI chains run side by side. Given `ahead` (the next tile's packed
- * codes, with its scales ahead_d and offsets ahead_o), each group also prefetches that tile's group. */
+ * codes; its scales and offsets follow this tile's), each group also prefetches that tile's group. */
 static inline __attribute__((always_inline)) void tile(int q4, int unpacked, const uint8_t *codes,
                                                        const uint16_t *wd16, const uint16_t *wm16, const int8_t *a,
                                                        const int8_t *a_fine, const float *xd, const float *xs,
                                                        const uint8_t *need, int64_t K, int64_t b, const int R,
-                                                       __m512 *y, const uint8_t *ahead, const uint16_t *ahead_d,
-                                                       const uint16_t *ahead_o) {
+                                                       __m512 *y, const uint8_t *ahead) {
     const int packed = q4 && !unpacked;  /* codes in the q4 layout; else 8 vectors a group, as q8 */
     const int64_t groups = K / GROUP, group_bytes = packed ? TILE * GROUP / 2 : TILE * GROUP;
     __m512i chunk[8];
@@ -186,11 +185,12 @@ static inline __attribute__((always_inline)) void tile(int q4, int unpacked, con
         const float *xdb = xd + slot, *xsb = xs + slot;
         unpack(packed, codes + g * group_bytes, chunk);
         if (ahead) {  /* the next tile's group g (packed), on its way while this one computes */
-            const int64_t bytes = q4 ? TILE * GROUP / 2 : TILE * GROUP;
-            for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch((const char *)ahead + g * bytes + at, _MM_HINT_T0);
+            const int64_t ahead_bytes = q4 ? TILE * GROUP / 2 : TILE * GROUP;
+            for (int64_t at = 0; at < ahead_bytes; at += 64)
+                _mm_prefetch((const char *)ahead + g * ahead_bytes + at, _MM_HINT_T0);
             if (!(g & 1)) {  /* 16 fp16 scales a group: a cache line holds two */
-                _mm_prefetch((const char *)(ahead_d + g * TILE), _MM_HINT_T0);
-                if (q4) _mm_prefetch((const char *)(ahead_o + g * TILE), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wd16 + (groups + g) * TILE), _MM_HINT_T0);
+                if (q4) _mm_prefetch((const char *)(wm16 + (groups + g) * TILE), _MM_HINT_T0);
             }
         }
         __m512i dot[ROWS];
@@ -258,14 +258,12 @@ static inline __attribute__((always_inline)) void tile_rows(int q4, int64_t t, c
          * alone, has no weights in flight while a tile's other blocks compute, and a decode step's
          * 60 MB of weights come from memory (30 layers' weights cycled: 9 / 16 / 32 rows 4.2 / 5.6 /
          * 8.9 -> 3.4 / 4.2 / 7.1 ms; a 32-row decode step 20-21.6 -> 16.7-17.3 ms). */
-        const int last = m0 + ROWS >= M && t + 1 < N / TILE;
-        const uint8_t *ahead = last ? codes + (t + 1) * tile_bytes : NULL;
-        const uint16_t *ahead_d = last ? d + groups * TILE : NULL, *ahead_o = last && q4 ? o + groups * TILE : NULL;
+        const uint8_t *ahead = m0 + ROWS >= M && t + 1 < N / TILE ? codes + (t + 1) * tile_bytes : NULL;
 #define TILE_CASE(R)                                                                                   \
     if (unpacked)                                                                                      \
-        tile(q4, 1, w, d, o, a, a_fine, xd, xs, rows_need, K, b, R, y, ahead, ahead_d, ahead_o);       \
+        tile(q4, 1, w, d, o, a, a_fine, xd, xs, rows_need, K, b, R, y, ahead);                         \
     else                                                                                               \
-        tile(q4, 0, w, d, o, a, a_fine, xd, xs, rows_need, K, b, R, y, ahead, ahead_d, ahead_o);       \
+        tile(q4, 0, w, d, o, a, a_fine, xd, xs, rows_need, K, b, R, y, ahead);                         \
     break;
         switch (rows) {
             case 1: TILE_CASE(1)
