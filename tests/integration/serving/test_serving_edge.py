@@ -102,11 +102,16 @@ def test_huge_prompts_are_refused_at_once_while_probes_stay_prompt(tls_server: F
     assert delays and max(delays) < 0.5, max(delays)
 
 
+# Long enough that the server is still draining when the late requests arrive (a fast machine
+# finishes short streams, drains and exits before them).
+DRAIN_TOKENS = 320
+
+
 def test_sigterm_lets_every_stream_finish_refuses_new_work_and_exits_0(tls_server: ForgeProcess) -> None:
     pool = ThreadPoolExecutor(4)
 
     def grpc_stream(i: int) -> tuple[int, list[int]]:
-        call = stub(tls_server).Stream(chat_request(f"Count to {i + 3}."), metadata=AUTH, timeout=120)
+        call = stub(tls_server).Stream(chat_request(f"Count to {i + 3}.", DRAIN_TOKENS), metadata=AUTH, timeout=120)
         tokens, finals = 0, []
         for message in call:
             if message.HasField("chunk"):
@@ -117,7 +122,7 @@ def test_sigterm_lets_every_stream_finish_refuses_new_work_and_exits_0(tls_serve
 
     def sse_stream() -> list[dict]:
         body = {"model": tls_server.health().model, "messages": [{"role": "user", "content": "Tell a story."}],
-                "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True}
+                "max_tokens": DRAIN_TOKENS, "ignore_eos": True, "stream": True}
         chunks = []
         with httpx.stream("POST", tls_server.url + "/v1/chat/completions", json=body,
                           headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as response:
@@ -139,7 +144,7 @@ def test_sigterm_lets_every_stream_finish_refuses_new_work_and_exits_0(tls_serve
     pool.shutdown()
     assert late == grpc.StatusCode.UNAVAILABLE
     assert late_http.status_code == 503 and "draining" in late_http.json()["error"]["message"]
-    assert results == [(MAX_TOKENS, [pb.FINISH_REASON_LENGTH])] * 3
+    assert results == [(DRAIN_TOKENS, [pb.FINISH_REASON_LENGTH])] * 3
     assert not any("error" in c for c in chunks)
     assert [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]] == ["length"]
     assert tls_server.proc.wait(60) == 0, tls_server.log_tail()

@@ -127,15 +127,19 @@ def test_concurrent_requests_spread_over_both_replicas(fleet: Fleet) -> None:
 
 def test_sigterm_drains_a_replica_whose_streams_finish_while_new_work_goes_to_the_other(fleet: Fleet) -> None:
     a, b = fleet.replicas
+    started: list[str] = []
     with ThreadPoolExecutor(8) as pool:
-        # Long enough that A is still draining after the late requests, so that its counter can be read.
-        streams = [pool.submit(stream, fleet.url, f"Tell a story {i}.", 160) for i in range(4)]
-        fleet.gateway.wait_until(lambda: a.health().requests_in_flight >= 1, 60, "a stream on replica A")
+        # Long enough that A is still draining after the late requests, so that its counter can be read
+        # (160 tokens once raced a fast machine: A drained and exited before the late requests returned).
+        streams = [pool.submit(stream, fleet.url, f"Tell a story {i}.", 640, started) for i in range(4)]
+        fleet.gateway.wait_until(lambda: len(started) == 4 and a.health().requests_in_flight >= 1, 60,
+                                 "all streams flowing, one of them on replica A")
         a.proc.send_signal(signal.SIGTERM)
         a.wait_until(lambda: a.health().state == pb.SERVING_STATE_DRAINING, 10, "A draining")
-        admitted_a = a.health().requests_admitted
+        admitted_a, admitted_b = a.health().requests_admitted, b.health().requests_admitted
         late = list(pool.map(lambda i: chat(fleet.url, f"Late {i}."), range(4)))
-        assert a.health().requests_admitted == admitted_a  # nothing new reached the draining replica
+        assert b.health().requests_admitted == admitted_b + 4  # the late requests all went to B ...
+        assert a.health().requests_admitted == admitted_a  # ... and nothing new reached the draining A
         results = [s.result() for s in streams]
     assert [r.status_code for r in late] == [200] * 4, [r.text for r in late]
     for events in results:
