@@ -167,6 +167,7 @@ static inline void store_head(const __m512 *acc, float inv, int64_t pairs, uint1
 }
 
 #define MAX_GROUP 4  /* query heads per KV head that run together; more run in runs of this many */
+#define AHEAD_BYTES (4 << 20)  /* a decode attention job's keys and values and the next one's, at most */
 
 /* The first `count` of 16 scores (all of them from 16 up) stored at s, and kept in `top`, a running
  * maximum per lane. */
@@ -206,8 +207,9 @@ static inline __attribute__((always_inline)) void weigh(__m512 (*acc)[2 * MAX_PA
 static inline __attribute__((always_inline)) void attend(const uint16_t *q, const uint16_t *k_cache,
                                                           const uint16_t *v_cache, const int64_t *slots, int64_t n,
                                                           int64_t row, int64_t off, const int64_t hd, const int G,
-                                                          float scale, float *s, uint16_t *out) {
-    const int64_t pairs = hd / 32, stride = n + 16;
+                                                          float scale, float *s, uint16_t *out,
+                                                          const int64_t *ahead, int64_t ahead_from, int64_t ahead_to) {
+    const int64_t pairs = hd / 32, stride = n + 16, chunks = (n + 15) / 16;
     __m512 qv[MAX_GROUP][2 * MAX_PAIRS];
     for (int g = 0; g < G; g++)
         for (int64_t c = 0; c < pairs; c++) split_bf16(q + g * hd + 32 * c, &qv[g][2 * c], &qv[g][2 * c + 1]);
@@ -229,6 +231,14 @@ static inline __attribute__((always_inline)) void attend(const uint16_t *q, cons
         for (int64_t l = l0 + 32; l < n && l < l0 + 48; l++)
             for (int64_t b = 0; b < bytes; b += 64)
                 _mm_prefetch((const char *)(k_cache + slots[l] * row + off) + b, _MM_HINT_T1);
+        if (ahead) {  /* this chunk's share of the next job's keys and values, whole rows, to L2 */
+            const int64_t c = l0 / 16, span = ahead_to - ahead_from;
+            for (int64_t l = ahead_from + span * c / chunks; l < ahead_from + span * (c + 1) / chunks; l++)
+                for (int64_t b = 0; b < 2 * row; b += 64) {
+                    _mm_prefetch((const char *)(k_cache + ahead[l] * row) + b, _MM_HINT_T1);
+                    _mm_prefetch((const char *)(v_cache + ahead[l] * row) + b, _MM_HINT_T1);
+                }
+        }
         __m512 dots[MAX_GROUP][16];
 #pragma GCC unroll 16
         for (int i = 0; i < 16; i++) {  /* past the last key, the last key again (masked off below) */
@@ -256,9 +266,9 @@ static inline __attribute__((always_inline)) void attend(const uint16_t *q, cons
 
 #define ATTEND_HD(G)                                                                                      \
     switch (hd) {                                                                                         \
-        case 64: attend(q, k_cache, v_cache, slots, n, row, off, 64, G, scale, s, out); break;           \
-        case 128: attend(q, k_cache, v_cache, slots, n, row, off, 128, G, scale, s, out); break;         \
-        default: attend(q, k_cache, v_cache, slots, n, row, off, hd, G, scale, s, out); break;           \
+        case 64: attend(q, k_cache, v_cache, slots, n, row, off, 64, G, scale, s, out, ah, from, to); break; \
+        case 128: attend(q, k_cache, v_cache, slots, n, row, off, 128, G, scale, s, out, ah, from, to); break; \
+        default: attend(q, k_cache, v_cache, slots, n, row, off, hd, G, scale, s, out, ah, from, to); break; \
     }
 
 /* Query heads first .. last - 1 of one token (q, out: that token's heads 0 ..), against KV head
@@ -266,13 +276,18 @@ static inline __attribute__((always_inline)) void attend(const uint16_t *q, cons
  * fixed at compile time for the common sizes. `s` holds MAX_GROUP (n + 16) floats. */
 static void attend_heads(const uint16_t *q0, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *slots,
                          int64_t n, int64_t H, int64_t Hkv, int64_t hd, int64_t first, int64_t last, float scale,
-                         float *s, uint16_t *out0) {
+                         float *s, uint16_t *out0, const int64_t *next, int64_t next_n) {
     const int64_t group = H / Hkv, row = Hkv * hd;
     for (int64_t h = first; h < last;) {
         const int64_t kvh = h / group, end = (kvh + 1) * group < last ? (kvh + 1) * group : last;
         const int64_t count = end - h < MAX_GROUP ? end - h : MAX_GROUP, off = kvh * hd;
         const uint16_t *q = q0 + h * hd;
         uint16_t *out = out0 + h * hd;
+        /* The KV heads after the first read from L2 what the first fetched: meanwhile the next
+         * job's keys come in, a share for each of them (its first run of query heads). */
+        const int later = next && kvh > 0 && h == kvh * group;
+        const int64_t *ah = later ? next : NULL;
+        const int64_t from = later ? next_n * (kvh - 1) / (Hkv - 1) : 0, to = later ? next_n * kvh / (Hkv - 1) : 0;
         switch (count) {
             case 1: ATTEND_HD(1) break;
             case 2: ATTEND_HD(2) break;
@@ -313,14 +328,45 @@ int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
      * most of the time. */
     int64_t shares = (2 * threads + D - 1) / D;
     shares = shares < 1 ? 1 : shares > H ? H : shares;
-    const int64_t per_share = (H + shares - 1) / shares;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t job = 0; job < D * shares; job++) {
-        const int64_t d = job / shares, first = job % shares * per_share;
-        const int64_t last = first + per_share < H ? first + per_share : H;
-        attend_heads(q + d * q_stride, k_cache, v_cache, slots + d * longest, lens[d], H, Hkv, hd, first, last, scale,
-                     scores + (int64_t)omp_get_thread_num() * MAX_GROUP * (longest + 16), out + d * H * hd);
+    const int64_t per_share = (H + shares - 1) / shares, jobs = D * shares;
+    /* Each thread takes the jobs of its own run of consecutive ones, then helps with the others'
+     * runs, one job at a time: a thread held up does not hold up the call, and the job a thread
+     * most likely takes next is the next of its run. While a job's later KV heads compute (their
+     * keys and values come from L2, where the first KV head's pass fetched them), the next job's
+     * come in from memory, up to AHEAD_BYTES for the two jobs together. With 2 threads, 30
+     * layers' attention of 64 sequences of 150 tokens took 12.2-13.0 ms and takes 9.0-9.7; of 32
+     * sequences of 1,000 tokens, 43.4-44.2 -> 33.5-33.6 ms (fetching the next job whole paid
+     * even past L2's 1 MB). */
+    int64_t *claim = aligned_alloc(64, (size_t)threads * 64);
+    if (!claim) {
+        free(slots);
+        free(scores);
+        return 2;
     }
+    for (int64_t r = 0; r < threads; r++) claim[8 * r] = r * jobs / threads;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num();
+        float *s = scores + t * MAX_GROUP * (longest + 16);
+        for (int64_t v = 0; v < threads; v++) {
+            const int64_t r = (t + v) % threads, run_end = (r + 1) * jobs / threads;
+            int64_t job;
+            while ((job = __atomic_fetch_add(&claim[8 * r], 1, __ATOMIC_RELAXED)) < run_end) {
+                const int64_t d = job / shares, first = job % shares * per_share;
+                const int64_t last = first + per_share < H ? first + per_share : H;
+                const int64_t *next = NULL;
+                int64_t next_n = 0;
+                if (shares == 1 && Hkv > 1 && job + 1 < run_end) {
+                    const int64_t room = (AHEAD_BYTES - 4 * Hkv * hd * lens[d]) / (4 * Hkv * hd);
+                    next_n = lens[d + 1] < room ? lens[d + 1] : room;
+                    next = next_n > 0 ? slots + (d + 1) * longest : NULL;
+                }
+                attend_heads(q + d * q_stride, k_cache, v_cache, slots + d * longest, lens[d], H, Hkv, hd, first,
+                             last, scale, s, out + d * H * hd, next, next_n);
+            }
+        }
+    }
+    free(claim);
     free(slots);
     free(scores);
     return 0;

@@ -204,14 +204,8 @@ def test_rotary_in_place_matches_the_torch_rotation() -> None:
     assert torch.equal(qkv[:, 12 * 64:], v_before)  # the values beside it are untouched
 
 
-# Heads per KV head (1 to 4 run together, 6 and 8 in runs of at most 4); head sizes with their own
-# compiled loop (64, 128) and without (96); one to five sequences, which the kernel splits between
-# threads by sequence or by heads.
-@pytest.mark.parametrize("heads,kv_heads,hd,lens", [
-    (9, 3, 64, [1, 17, 100, 33]), (4, 4, 64, [1, 17, 100, 33]), (9, 3, 64, [250]), (8, 2, 128, [40, 7]),
-    (6, 2, 96, [16, 1, 33, 64, 5]), (12, 2, 64, [30, 3]), (16, 2, 128, [20]), (4, 2, 64, [19, 45])])
-def test_decode_attention_matches_fp32_attention_over_the_paged_cache(heads: int, kv_heads: int, hd: int,
-                                                                      lens: list[int]) -> None:
+def paged_attention_case(heads: int, kv_heads: int, hd: int, lens: list[int]) -> tuple[torch.Tensor, ...]:
+    """q [D, H, hd], K and V caches with each sequence's blocks scattered, block tables, lens."""
     g = torch.Generator().manual_seed(heads)
     bs = 16
     num_blocks = sum(-(-n // bs) for n in lens) + 3
@@ -224,14 +218,51 @@ def test_decode_attention_matches_fp32_attention_over_the_paged_cache(heads: int
         own, blocks = blocks[:-(-n // bs)], blocks[-(-n // bs):]
         tables.append(own + [0] * (width - len(own)))
     q = torch.randn(len(lens), heads, hd, generator=g).bfloat16()
-    got = cpu_kernels.decode_attention(q, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens), bs, hd ** -0.5)
-    for d, n in enumerate(lens):
+    return q, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens)
+
+
+def assert_attention_matches_fp32(got: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  tables: torch.Tensor, lens: torch.Tensor, bs: int = 16) -> None:
+    heads, kv_heads, hd = q.shape[1], k_cache.shape[1], q.shape[2]
+    for d, n in enumerate(lens.tolist()):
         slots = torch.tensor([tables[d][i // bs] * bs + i % bs for i in range(n)])
         keys = k_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [H, n, hd]
         values = v_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
         probs = torch.softmax(q[d].float()[:, None, :] @ keys.transpose(1, 2) * hd ** -0.5, dim=-1)
         want = (probs @ values)[:, 0]  # [H, hd]
         assert (got[d].float() - want).abs().max() < 1e-2 * want.abs().max(), d
+
+
+# Heads per KV head (1 to 4 run together, 6 and 8 in runs of at most 4); head sizes with their own
+# compiled loop (64, 128) and without (96); one to five sequences, which the kernel splits between
+# threads by sequence or by heads.
+@pytest.mark.parametrize("heads,kv_heads,hd,lens", [
+    (9, 3, 64, [1, 17, 100, 33]), (4, 4, 64, [1, 17, 100, 33]), (9, 3, 64, [250]), (8, 2, 128, [40, 7]),
+    (6, 2, 96, [16, 1, 33, 64, 5]), (12, 2, 64, [30, 3]), (16, 2, 128, [20]), (4, 2, 64, [19, 45])])
+def test_decode_attention_matches_fp32_attention_over_the_paged_cache(heads: int, kv_heads: int, hd: int,
+                                                                      lens: list[int]) -> None:
+    case = paged_attention_case(heads, kv_heads, hd, lens)
+    got = cpu_kernels.decode_attention(*case, 16, hd ** -0.5)
+    assert_attention_matches_fp32(got, *case)
+
+
+# Threads take runs of consecutive sequences and then help with each other's, fetching the next
+# sequence's keys while they compute: every sequence must be computed once, to the same bits,
+# whatever the number of threads (fewer sequences than threads, about as many, many more).
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("lens", [[33, 7], [1, 17, 100, 33, 250], [5, 64, 1, 129, 48, 2, 16, 90, 31, 300, 8, 77, 12]])
+def test_decode_attention_gives_each_sequence_the_same_bits_whatever_the_threads(threads: int,
+                                                                                 lens: list[int]) -> None:
+    case = paged_attention_case(9, 3, 64, lens)
+    want = cpu_kernels.decode_attention(*case, 16, 0.125)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_kernels.decode_attention(*case, 16, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+    assert_attention_matches_fp32(got, *case)
 
 
 @pytest.mark.parametrize("context,chunk", [(37, 37), (100, 24), (50, 1)])
