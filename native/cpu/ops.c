@@ -330,8 +330,8 @@ int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
     shares = shares < 1 ? 1 : shares > H ? H : shares;
     const int64_t per_share = (H + shares - 1) / shares, jobs = D * shares;
     /* Each thread takes the jobs of its own run of consecutive ones, then helps with the others'
-     * runs, one job at a time: a thread held up does not hold up the call, and the job a thread
-     * most likely takes next is the next of its run. While a job's later KV heads compute (their
+     * runs, one job at a time: a thread held up leaves the rest of its run to the others, and the
+     * job a thread most likely takes next is the next of its run. While a job's later KV heads compute (their
      * keys and values come from L2, where the first KV head's pass fetched them), the next job's
      * come in from memory, up to AHEAD_BYTES for the two jobs together. With 2 threads, 30
      * layers' attention of 64 sequences of 150 tokens took 12.2-13.0 ms and takes 9.0-9.7; of 32
