@@ -313,9 +313,11 @@ int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
     for (int64_t d = 0; d < D; d++) longest = lens[d] > longest ? lens[d] : longest;
     int64_t *slots = malloc(sizeof(int64_t) * (size_t)(D * longest));
     float *scores = malloc(sizeof(float) * (size_t)(threads * MAX_GROUP * (longest + 16)));
-    if (!slots || !scores) {
+    int64_t *claim = aligned_alloc(64, (size_t)threads * 64);  /* each run's next job, a cache line each */
+    if (!slots || !scores || !claim) {
         free(slots);
         free(scores);
+        free(claim);
         return 2;
     }
     for (int64_t d = 0; d < D; d++)
@@ -331,18 +333,13 @@ int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
     const int64_t per_share = (H + shares - 1) / shares, jobs = D * shares;
     /* Each thread takes the jobs of its own run of consecutive ones, then helps with the others'
      * runs, one job at a time: a thread held up leaves the rest of its run to the others, and the
-     * job a thread most likely takes next is the next of its run. While a job's later KV heads compute (their
-     * keys and values come from L2, where the first KV head's pass fetched them), the next job's
-     * come in from memory, up to AHEAD_BYTES for the two jobs together. With 2 threads, 30
-     * layers' attention of 64 sequences of 150 tokens took 12.2-13.0 ms and takes 9.0-9.7; of 32
-     * sequences of 1,000 tokens, 43.4-44.2 -> 33.5-33.6 ms (fetching the next job whole paid
-     * even past L2's 1 MB). */
-    int64_t *claim = aligned_alloc(64, (size_t)threads * 64);
-    if (!claim) {
-        free(slots);
-        free(scores);
-        return 2;
-    }
+     * job a thread most likely takes next is the next of its run. While a job's later KV heads
+     * compute (their keys and values come from L2, where the first KV head's pass fetched them),
+     * the next job's come in from memory, up to AHEAD_BYTES for the two jobs together. With 2
+     * threads, 30 layers' attention of 64 sequences of 150 tokens took 12.2-13.0 ms and takes
+     * 9.0-9.7; of 32 sequences of 1,000 tokens, 43.4-44.2 -> 33.5-33.6 ms (fetching the next job
+     * whole paid even past L2's 1 MB). */
+    const int64_t key_bytes = 4 * Hkv * hd;  /* a key's K and V rows, bf16 */
     for (int64_t r = 0; r < threads; r++) claim[8 * r] = r * jobs / threads;
 #pragma omp parallel num_threads(threads)
     {
@@ -357,7 +354,7 @@ int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
                 const int64_t *next = NULL;
                 int64_t next_n = 0;
                 if (shares == 1 && Hkv > 1 && job + 1 < run_end) {
-                    const int64_t room = (AHEAD_BYTES - 4 * Hkv * hd * lens[d]) / (4 * Hkv * hd);
+                    const int64_t room = (AHEAD_BYTES - key_bytes * lens[d]) / key_bytes;
                     next_n = lens[d + 1] < room ? lens[d + 1] : room;
                     next = next_n > 0 ? slots + (d + 1) * longest : NULL;
                 }
