@@ -1,6 +1,7 @@
 """GPU, end to end on the default model: greedy decoding on the CUDA backend (decode steps
-replayed from CUDA graphs) agrees with the CPU backend in float32 on >= 99% of steps, each
-step judged on the same prefix (the GPU's own output, fed to the CPU model)."""
+replayed from CUDA graphs) agrees with the CPU backend in float32 on >= 99% of steps in float32
+and >= 98% in bfloat16, each step judged on the same prefix (the GPU's own output, fed to the CPU
+model)."""
 from __future__ import annotations
 
 import pytest
@@ -17,6 +18,9 @@ PROMPTS = [
     "Dear hiring manager,\n\nI am writing to", "Café, naïve, résumé: these words come from",
 ]
 NEW_TOKENS = 64
+# Steps whose greedy token the CPU's fp32 model also ranks first. bf16 activations flip near-ties:
+# the CPU's own default bf16 path scores 633 of 640 (0.989) on these prompts, as did the H200.
+MIN_AGREEMENT = {"float32": 0.99, "bfloat16": 0.98}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +58,7 @@ def test_greedy_agrees_with_cpu_fp32(cpu_fp32, dtype):
     assert gpu.engine.runner.backend.graphs is not None and 16 in gpu.engine.runner.backend.graphs.graphs
     outputs = gpu.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in outputs)
-    assert agreement(cpu_fp32, outputs) >= 0.99
+    assert agreement(cpu_fp32, outputs) >= MIN_AGREEMENT[dtype]
     # Graph-replayed decode steps against the GPU's own eager prefill of the same tokens.
     assert agreement(gpu, outputs) >= 0.99
 

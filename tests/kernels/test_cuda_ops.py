@@ -67,9 +67,9 @@ def test_rotary_in_place_on_views_of_qkv(kernels, dtype, heads, kv_heads, head_d
     t = 37
     qkv = rand(t, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=head_dim)
     positions = torch.randint(0, 4096, (t,), generator=torch.Generator().manual_seed(3))
+    gpu = qkv.cuda()  # before the reference, whose native bf16 kernel rotates qkv's rows in place
     qk = qkv[:, :(heads + kv_heads) * head_dim].view(t, heads + kv_heads, head_dim)
     want_q, want_k = CpuBackend.rotary(qk, heads, CpuBackend.rotary_tables(rope.cos, rope.sin, positions, dtype))
-    gpu = qkv.cuda()
     gq, gk, gv = gpu.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     rotary.rotary_(kernels, gq.view(t, heads, head_dim), gk.view(t, kv_heads, head_dim), positions.cuda(),
                    rope.cos.cuda(), rope.sin.cuda())
