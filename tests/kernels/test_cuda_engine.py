@@ -72,3 +72,20 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant():
     assert alone == batch
     assert gpu.generate(PROMPTS[0], SamplingParams(temperature=0.9, seed=99, max_tokens=24,
                                                    ignore_eos=True))[0].outputs[0].token_ids != alone
+
+
+def test_greedy_tokens_do_not_depend_on_the_batch_the_prefix_cache_or_speculation():
+    """bf16 on the GPU: a request's greedy tokens are the same in a batch of 12, alone, after its
+    prompt hit the prefix cache, and verified from n-gram drafts (k + 1 rows where a decode runs 1)."""
+    prompts = PROMPTS + ["Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
+                         "List: apple, banana, cherry, apple, banana, cherry, apple,"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    plain = LLM(dtype="bfloat16", device="cuda", max_num_seqs=32, speculative="off")
+    batch = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+    assert [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)] == batch  # prompts now cached
+    assert [plain.generate(p, greedy)[0].outputs[0].token_ids for p in prompts] == batch
+    del plain
+    drafting = LLM(dtype="bfloat16", device="cuda", max_num_seqs=32, speculative="ngram")
+    alone = [drafting.generate(p, greedy)[0].outputs[0] for p in prompts]
+    assert sum(o.num_accepted_tokens for o in alone) > len(prompts) * 8  # drafts were verified and kept
+    assert [o.token_ids for o in alone] == batch
