@@ -4,8 +4,12 @@ envoy.yaml against the proto, the descriptor and the chart, the chart's FORGE_* 
 the configuration dataclasses, and the Dockerfiles' install step against CI's."""
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import json
 import re
+import sys
+import tomllib
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -262,6 +266,28 @@ def test_the_image_installs_with_the_make_target_ci_runs(dockerfile: str) -> Non
     vals = values()
     assert {vals["service"]["grpcPort"], vals["service"]["metricsPort"], vals["gateway"]["httpPort"]} <= exposed
     assert re.search(r"^USER 10001", text, re.M)
+
+
+def _requirement_name(requirement: str) -> str:
+    return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", requirement).group(0)).lower()
+
+
+def test_every_package_the_code_imports_at_load_is_a_runtime_dependency() -> None:
+    """The images install no extras: a module-level import of a package that only the test extras
+    bring (jsonschema once was) would stop `forge serve` in the image at start-up."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {_requirement_name(r) for r in project["dependencies"]}
+    providers = {module: {_requirement_name(d) for d in dists}
+                 for module, dists in importlib.metadata.packages_distributions().items()}
+    missing = set()
+    for path in sorted((ROOT / "forge_service").rglob("*.py")) + sorted((ROOT / "forge_gateway").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:  # module level: imported whenever the module is
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for top in {n.split(".")[0] for n in names} - set(sys.stdlib_module_names):
+                if top not in ("__future__", "forge_service", "forge_gateway") and not providers[top] & declared:
+                    missing.add(f"{top} ({path.relative_to(ROOT)})")
+    assert not missing, f"imported at load but not in [project].dependencies: {sorted(missing)}"
 
 
 def test_dockerignore_keeps_the_venv_and_git_out() -> None:
