@@ -1,7 +1,8 @@
 """The deployment files agree with each other and with the code (no helm, docker or envoy binary
 here): the chart's values against values.schema.json, every value a template names exists,
 envoy.yaml against the proto, the descriptor and the chart, the chart's FORGE_* variables against
-the configuration dataclasses, and the Dockerfiles' install step against CI's."""
+the configuration dataclasses, the Dockerfiles' install step against CI's, and the runtime
+dependencies against what the code imports."""
 from __future__ import annotations
 
 import ast
@@ -285,7 +286,7 @@ def test_every_package_the_code_imports_at_load_is_a_runtime_dependency() -> Non
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
             for top in {n.split(".")[0] for n in names} - set(sys.stdlib_module_names):
-                if top not in ("__future__", "forge_service", "forge_gateway") and not providers[top] & declared:
+                if top not in ("__future__", "forge_service", "forge_gateway") and not providers.get(top, set()) & declared:
                     missing.add(f"{top} ({path.relative_to(ROOT)})")
     assert not missing, f"imported at load but not in [project].dependencies: {sorted(missing)}"
 
