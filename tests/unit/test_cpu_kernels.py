@@ -204,10 +204,13 @@ def test_rotary_in_place_matches_the_torch_rotation() -> None:
     assert torch.equal(qkv[:, 12 * 64:], v_before)  # the values beside it are untouched
 
 
+PAGED_BLOCK = 16  # the block size of paged_attention_case's caches
+
+
 def paged_attention_case(heads: int, kv_heads: int, hd: int, lens: list[int]) -> tuple[torch.Tensor, ...]:
     """q [D, H, hd], K and V caches with each sequence's blocks scattered, block tables, lens."""
     g = torch.Generator().manual_seed(heads)
-    bs = 16
+    bs = PAGED_BLOCK
     num_blocks = sum(-(-n // bs) for n in lens) + 3
     k_cache = torch.randn(num_blocks * bs, kv_heads, hd, generator=g).bfloat16()
     v_cache = torch.randn(num_blocks * bs, kv_heads, hd, generator=g).bfloat16()
@@ -222,8 +225,8 @@ def paged_attention_case(heads: int, kv_heads: int, hd: int, lens: list[int]) ->
 
 
 def assert_attention_matches_fp32(got: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                  tables: torch.Tensor, lens: torch.Tensor, bs: int = 16) -> None:
-    heads, kv_heads, hd = q.shape[1], k_cache.shape[1], q.shape[2]
+                                  tables: torch.Tensor, lens: torch.Tensor) -> None:
+    heads, kv_heads, hd, bs = q.shape[1], k_cache.shape[1], q.shape[2], PAGED_BLOCK
     for d, n in enumerate(lens.tolist()):
         slots = torch.tensor([tables[d][i // bs] * bs + i % bs for i in range(n)])
         keys = k_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [H, n, hd]
@@ -242,7 +245,7 @@ def assert_attention_matches_fp32(got: torch.Tensor, q: torch.Tensor, k_cache: t
 def test_decode_attention_matches_fp32_attention_over_the_paged_cache(heads: int, kv_heads: int, hd: int,
                                                                       lens: list[int]) -> None:
     case = paged_attention_case(heads, kv_heads, hd, lens)
-    got = cpu_kernels.decode_attention(*case, 16, hd ** -0.5)
+    got = cpu_kernels.decode_attention(*case, PAGED_BLOCK, hd ** -0.5)
     assert_attention_matches_fp32(got, *case)
 
 
@@ -254,11 +257,11 @@ def test_decode_attention_matches_fp32_attention_over_the_paged_cache(heads: int
 def test_decode_attention_gives_each_sequence_the_same_bits_whatever_the_threads(threads: int,
                                                                                  lens: list[int]) -> None:
     case = paged_attention_case(9, 3, 64, lens)
-    want = cpu_kernels.decode_attention(*case, 16, 0.125)
+    want = cpu_kernels.decode_attention(*case, PAGED_BLOCK, 0.125)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = cpu_kernels.decode_attention(*case, 16, 0.125)
+        got = cpu_kernels.decode_attention(*case, PAGED_BLOCK, 0.125)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(got, want)
