@@ -17,6 +17,9 @@ class ScheduledChunk:
     # Speculative tokens to verify after the request's last token: they are the chunk's last
     # len(draft) tokens (counted in num_tokens) and each gets a logits row.
     draft: list[int] = field(default_factory=list)
+    # (cached block, this request's block, tokens): a prefix-cache hit that ends inside a block.
+    # Before this step, the runner copies those tokens' keys and values into the request's block.
+    kv_copy: tuple[int, int, int] | None = None
     # True when this chunk reaches the last known token, so a new token is sampled. Fixed at
     # scheduling time: after update() appends the sampled token the request has grown past it.
     samples: bool = field(init=False)

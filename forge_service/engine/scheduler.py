@@ -112,6 +112,8 @@ class Scheduler:
         if self._requests.get(request.request_id) is not request:
             return 0
         assert request.num_computed_tokens == chunk.start, (request.request_id, chunk.start)
+        if chunk.kv_copy is not None:
+            self.kv.copy_done(request.request_id)
         if not chunk.samples:
             request.num_computed_tokens += chunk.num_tokens
             self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids_slice)
@@ -257,7 +259,8 @@ class Scheduler:
             return None
         if request.num_preemptions == 0:
             request.num_cached_tokens = cached
-        return ScheduledChunk(request, request.num_computed_tokens, n, block_ids)
+        return ScheduledChunk(request, request.num_computed_tokens, n, block_ids,
+                              kv_copy=self.kv.pending_copy(request.request_id))
 
     def _drop_head(self, request: Request, error: Exception, out: SchedulerOutput) -> None:
         self.kv.free(request.request_id)

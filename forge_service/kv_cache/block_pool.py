@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from forge_service.kv_cache.block_hash import BlockHash
 
@@ -16,7 +16,10 @@ class BlockPool:
     Prefix caching hooks: a full block may be given a content hash (`cache_block`). Its hash
     stays valid while the block sits in the free queue, so `get_cached_block` can find it and
     `incref` can revive it (taking it out of the queue) until `allocate` reuses the block, which
-    evicts the hash.
+    evicts the hash. Given its parent's key and its tokens too, the block is also found by the
+    first tokens of its own (`partial_block`), for a prompt that leaves the cached text inside
+    the block: each of its first 1 .. size - 1 tokens after the parent is a key to it, the block
+    cached last winning a key that several share.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -26,6 +29,10 @@ class BlockPool:
         # Per block: the hash of the tokens it holds (prefix + its own), None when not cached.
         self.block_hashes: list[BlockHash | None] = [None] * num_blocks
         self.cached: dict[BlockHash, int] = {}  # block hash -> block id
+        # (parent key, a cached block's first j tokens, j < its size) -> that block; and per block,
+        # the keys it holds there, dropped when it is evicted.
+        self._heads: dict[tuple[BlockHash, tuple[int, ...]], int] = {}
+        self._head_keys: list[list[tuple[BlockHash, tuple[int, ...]]] | None] = [None] * num_blocks
         # An OrderedDict (not a deque) so that a cache hit can take a block out of the middle in O(1).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
@@ -63,13 +70,30 @@ class BlockPool:
             if self.ref_counts[block_id] == 0:
                 self._free[block_id] = None
 
-    def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
-        """Record that an allocated, full block holds the tokens hashed to `block_hash`."""
+    def cache_block(self, block_id: int, block_hash: BlockHash, parent: BlockHash | None = None,
+                    tokens: Sequence[int] = ()) -> None:
+        """Record that an allocated, full block holds the tokens hashed to `block_hash`; given the
+        key of the block before it (`parent`) and its `tokens`, `partial_block` finds it too."""
         assert self.ref_counts[block_id] > 0, f"block {block_id} is not allocated"
         if self.block_hashes[block_id] is not None or block_hash in self.cached:
             return  # already cached, or an identical block already is: keep the first
         self.block_hashes[block_id] = block_hash
         self.cached[block_hash] = block_id
+        if parent is not None and len(tokens) > 1:
+            keys = [(parent, tuple(tokens[:j])) for j in range(1, len(tokens))]
+            for key in keys:
+                self._heads[key] = block_id
+            self._head_keys[block_id] = keys
+
+    def partial_block(self, parent: BlockHash, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """A cached block after `parent` that begins with the most of `tokens` (fewer than a
+        block's worth): (block id, how many of them), or None when none begins with the first.
+        The caller increfs the block while it reads from it."""
+        for j in range(len(tokens), 0, -1):
+            block_id = self._heads.get((parent, tuple(tokens[:j])))
+            if block_id is not None:
+                return block_id, j
+        return None
 
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
         """The block holding `block_hash`, allocated or still in the free queue; the caller increfs it."""
@@ -80,3 +104,9 @@ class BlockPool:
         if block_hash is not None:
             del self.cached[block_hash]
             self.block_hashes[block_id] = None
+        keys = self._head_keys[block_id]
+        if keys is not None:
+            for key in keys:
+                if self._heads.get(key) == block_id:  # a block cached later may hold it now
+                    del self._heads[key]
+            self._head_keys[block_id] = None

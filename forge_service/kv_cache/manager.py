@@ -21,6 +21,9 @@ class KVCacheManager:
         self.prefix_caching = prefix_caching
         self._tables: dict[str, list[int]] = {}
         self._keys: dict[str, list[BlockHash]] = {}  # keys of each request's full, computed blocks
+        # A request whose prefix-cache hit ends inside a block: (cached block, the request's own
+        # block, tokens) to copy before its first step; the cached block is held until then.
+        self._copies: dict[str, tuple[int, int, int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -80,6 +83,7 @@ class KVCacheManager:
         """
         table = self._tables.pop(request_id, None)
         self._keys.pop(request_id, None)
+        self.copy_done(request_id)
         if table:
             self.pool.free(reversed(table))
 
@@ -87,24 +91,54 @@ class KVCacheManager:
     def match_prefix(self, request_id: str, token_ids: list[int]) -> int:
         """Before a request's first allocation: share the cached blocks holding a prefix of
         `token_ids`. Returns how many tokens they cover (always fewer than len(token_ids), so at
-        least one token is computed and yields logits)."""
+        least one token is computed and yields logits).
+
+        Where the cached text goes on past the last whole block shared, into a cached block that
+        the prompt leaves partway (a system prompt that ends inside a block, say), the request
+        gets a block of its own for it, and that block's first tokens are copied from the cached
+        one (`pending_copy`) instead of computed: their keys and values are what the request
+        would compute, as the same tokens after the same prefix at the same positions."""
         if not self.prefix_caching or self._tables.get(request_id):
             return 0
-        key = ROOT
         blocks: list[int] = []
         keys: list[BlockHash] = []
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
-            key = hash_block(key, token_ids[i * bs:(i + 1) * bs])
+            key = hash_block(keys[-1] if keys else ROOT, token_ids[i * bs:(i + 1) * bs])
             block = self.pool.get_cached_block(key)
             if block is None:
                 break
             blocks.append(block)
             keys.append(key)
+        self.pool.incref(blocks)  # first: allocating below must not evict them
+        matched = len(blocks) * bs
+        rest = token_ids[matched:matched + min(bs - 1, len(token_ids) - 1 - matched)]
+        partial = self.pool.partial_block(keys[-1] if keys else ROOT, rest) if rest else None
+        if partial is not None:
+            source, count = partial
+            self.pool.incref([source])
+            own = self.pool.allocate(1)
+            if own is None:
+                self.pool.free([source])
+            else:
+                blocks.append(own[0])
+                self._copies[request_id] = (source, own[0], count)
+                matched += count
         if blocks:
-            self.pool.incref(blocks)
             self._tables[request_id], self._keys[request_id] = blocks, keys
-        return len(blocks) * bs
+        return matched
+
+    def pending_copy(self, request_id: str) -> tuple[int, int, int] | None:
+        """(cached block, the request's block, tokens): the request's partial prefix-cache hit,
+        whose first `tokens` slots the runner copies before the request's first step; None if
+        it has none."""
+        return self._copies.get(request_id)
+
+    def copy_done(self, request_id: str) -> None:
+        """The runner copied the request's partial hit: let go of the cached block it read."""
+        copy = self._copies.pop(request_id, None)
+        if copy is not None:
+            self.pool.free([copy[0]])
 
     def cache_computed(self, request_id: str, num_computed: int,
                        token_ids_slice: Callable[[int, int], list[int]]) -> None:
@@ -115,6 +149,7 @@ class KVCacheManager:
         table = self._tables.get(request_id, [])
         bs = self.block_size
         for i in range(len(keys), min(num_computed // bs, len(table))):
-            key = hash_block(keys[-1] if keys else ROOT, token_ids_slice(i * bs, (i + 1) * bs))
+            parent, tokens = keys[-1] if keys else ROOT, token_ids_slice(i * bs, (i + 1) * bs)
+            key = hash_block(parent, tokens)
             keys.append(key)
-            self.pool.cache_block(table[i], key)
+            self.pool.cache_block(table[i], key, parent, tokens)

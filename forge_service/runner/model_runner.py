@@ -81,6 +81,9 @@ class ModelRunner:
         draft gets its accepted draft tokens first, then the one the model chose after them."""
         if self.grammars is not None:
             self._cut_drafts(out.chunks)
+        for c in out.chunks:
+            if c.kv_copy is not None:
+                self._copy_kv(*c.kv_copy)
         # A decode with a draft is one decode row per verified token: row i attends to the context
         # and the draft before it, whose KV this step writes before any row attends. Verification
         # thus runs the kernels a plain decode runs (the fused decode call included), and each
@@ -107,6 +110,13 @@ class ModelRunner:
         for s in sampled:
             by_id.setdefault(s.request_id, []).append(s)
         return [s for c in out.chunks if c.samples for s in by_id[c.request.request_id]]
+
+    def _copy_kv(self, source: int, block: int, tokens: int) -> None:
+        """The first `tokens` slots of a cached block into a request's own block, every layer."""
+        src, dst = source * self.block_size, block * self.block_size
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst:dst + tokens] = k_cache[src:src + tokens]
+            v_cache[dst:dst + tokens] = v_cache[src:src + tokens]
 
     def _flat_inputs(self, chunks: list[ScheduledChunk]):
         ids: list[int] = []

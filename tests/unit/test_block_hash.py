@@ -19,7 +19,7 @@ def test_a_20k_token_prompt_hits_the_cache():
     kv = KVCacheManager(num_blocks=2600, block_size=16, prefix_caching=True)
     fill_and_cache(kv, "a", tokens)
     kv.free("a")
-    assert kv.match_prefix("b", tokens) == (20_000 - 1) // 16 * 16  # all but the last block
+    assert kv.match_prefix("b", tokens) == 20_000 - 1  # all but the last token (15 of it copied)
     assert kv.match_prefix("c", tokens + [1, 2, 3]) == 20_000
 
 
@@ -51,12 +51,13 @@ def test_a_prefix_matches_up_to_the_first_differing_block():
     fill_and_cache(kv, "a", tokens)
     changed = list(tokens)
     changed[5 * bs + 2] = 999  # block 5 differs
-    assert kv.match_prefix("b", changed) == 5 * bs
-    assert kv.block_ids("b") == kv.block_ids("a")[:5]
+    assert kv.match_prefix("b", changed) == 5 * bs + 2  # and block 5's first 2 tokens, copied
+    assert kv.block_ids("b")[:5] == kv.block_ids("a")[:5]
+    assert kv.pending_copy("b") == (kv.block_ids("a")[5], kv.block_ids("b")[5], 2)
     first = [0] + tokens[1:]
     assert kv.match_prefix("c", first) == 0
     assert kv.block_ids("c") == []
-    assert kv.match_prefix("d", list(tokens)) == 9 * bs  # equal prompts share all but the last block
+    assert kv.match_prefix("d", list(tokens)) == 10 * bs - 1  # equal prompts: all but the last token
 
 
 def test_the_engine_serves_a_prefix_hit_over_1200_blocks(tmp_path):

@@ -136,8 +136,60 @@ def test_prefix_match_needs_the_whole_prefix_and_leaves_a_token_to_compute():
     computed(kv, "a", list(range(8)))
     assert kv.match_prefix("b", [7] + list(range(1, 8)) + [1]) == 0  # first block differs: nothing
     assert kv.block_ids("b") == []
-    assert kv.match_prefix("c", list(range(8))) == 4  # exactly 8 tokens: the last block is recomputed
-    assert kv.match_prefix("d", list(range(4)) + [9, 9, 9, 9, 9]) == 4
+    # exactly 8 tokens: the last block is not shared whole, its first 3 tokens are copied
+    assert kv.match_prefix("c", list(range(8))) == 7
+    assert kv.pending_copy("c") == (kv.block_ids("a")[1], kv.block_ids("c")[1], 3)
+    assert kv.match_prefix("d", list(range(4)) + [9, 9, 9, 9, 9]) == 4  # block 2 differs at once
+    assert kv.pending_copy("d") is None
+
+
+def test_a_hit_that_ends_inside_a_block_copies_its_tokens_into_a_block_of_its_own():
+    kv = KVCacheManager(num_blocks=4, block_size=4, prefix_caching=True)
+    a = computed(kv, "a", list(range(12)))  # three full blocks
+    kv.allocate_slots("z", 1)
+    kv.free("a")  # cached, in the free queue: a[2], the partial source, is at its front
+    kv.free("z")
+    assert kv.pool.free_block_ids()[0] == a[2]
+    assert kv.match_prefix("b", list(range(10)) + [77, 78]) == 10  # 2 blocks whole, 2 tokens of a[2]
+    own = kv.block_ids("b")[2]
+    assert kv.block_ids("b")[:2] == a[:2] and own not in a  # allocating it did not evict a[2]
+    assert kv.pending_copy("b") == (a[2], own, 2)
+    assert kv.pool.ref_counts[a[2]] == 1  # held until copied
+    # the scheduler allocates the rest; after the step the source goes back to the free queue
+    assert kv.allocate_slots("b", 12) == [*a[:2], own]
+    kv.copy_done("b")
+    assert kv.pending_copy("b") is None and kv.pool.ref_counts[a[2]] == 0
+    assert kv.pool.get_cached_block(kv.pool.block_hashes[a[2]]) == a[2]  # still cached
+    kv.free("b")
+    assert kv.num_used_blocks == 0
+
+
+def test_the_longest_partial_head_wins_and_freeing_before_the_copy_lets_go_of_the_source():
+    kv = KVCacheManager(num_blocks=8, block_size=4, prefix_caching=True)
+    x = computed(kv, "x", [1, 2, 3, 4, 5, 6, 7, 8])
+    y = computed(kv, "y", [1, 2, 3, 4, 5, 6, 0, 0])
+    assert kv.match_prefix("b", [1, 2, 3, 4, 5, 6, 7, 9, 9]) == 7  # x's second block: 3 tokens
+    assert kv.pending_copy("b")[::2] == (x[1], 3)
+    assert kv.match_prefix("c", [1, 2, 3, 4, 5, 6, 0, 9]) == 7  # y's: 3 tokens
+    assert kv.pending_copy("c")[::2] == (y[1], 3)
+    assert kv.match_prefix("d", [1, 2, 3, 4, 5, 9]) == 5  # both begin with 5: the one cached last
+    assert kv.pending_copy("d")[::2] == (y[1], 1)
+    before = kv.pool.ref_counts[y[1]]
+    kv.free("d")  # admission gave up (or the request ended) before its first step
+    assert kv.pool.ref_counts[y[1]] == before - 1 and kv.pending_copy("d") is None
+    for r in ("x", "y", "b", "c"):
+        kv.free(r)
+    assert kv.num_used_blocks == 0
+
+
+def test_an_evicted_block_is_no_longer_a_partial_source():
+    kv = KVCacheManager(num_blocks=3, block_size=4, prefix_caching=True)
+    computed(kv, "a", list(range(8)))
+    kv.free("a")
+    computed(kv, "x", [50] * 12)  # reuses a's blocks
+    kv.free("x")
+    assert kv.match_prefix("b", list(range(6))) == 0 and kv.pending_copy("b") is None
+    assert kv.match_prefix("c", [50] * 6) == 5  # the new content is found instead
 
 
 def test_prefix_caching_off_by_default_and_evicted_blocks_are_forgotten():

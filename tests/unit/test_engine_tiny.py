@@ -165,3 +165,24 @@ def test_prefix_caching_reuses_blocks_without_changing_outputs(tiny_dir):
     assert [first.outputs[0].token_ids] + [o.outputs[0].token_ids for o in rest] == want
     assert [o.num_cached_tokens for o in rest] == [64, 64, 64]
     assert cached.engine.kv.num_used_blocks == 0
+
+
+def test_a_prefix_that_ends_inside_a_block_is_copied_not_recomputed(tiny_dir):
+    """A shared prefix of 40 tokens (a system prompt, say) ends 8 tokens into the third block of
+    16: later requests share two blocks and copy the third one's first 8 tokens, with the outputs
+    of no caching at all, and every block (the copies' sources too) goes back to the pool. (The
+    tokens alone would not tell: this model's greedy choices survive 8 zeroed keys, which move
+    its logprobs by ~8e-3; the copied ones move them by ~1e-6.)"""
+    shared = list(range(3, 43))
+    prompts = [shared + [100 + i, 120 + i, 7] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    plain = LLM(model=str(tiny_dir), dtype="float32", enable_prefix_caching=False)
+    want = plain.generate(prompts, params)
+    cached = LLM(model=str(tiny_dir), dtype="float32")
+    got = cached.generate(prompts[:1], params) + cached.generate(prompts[1:], params)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        diffs = [abs(a[0].logprob - b[0].logprob) for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs)]
+        assert max(diffs) < 1e-4
+    assert [o.num_cached_tokens for o in got] == [0, 40, 40, 40]
+    assert cached.engine.kv.num_used_blocks == 0
