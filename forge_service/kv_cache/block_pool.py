@@ -1,6 +1,8 @@
 """The physical KV block pool: ids, reference counts, a free queue and block hashes. Plain ints, no torch."""
 from __future__ import annotations
 
+import bisect
+import struct
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
@@ -18,8 +20,7 @@ class BlockPool:
     `incref` can revive it (taking it out of the queue) until `allocate` reuses the block, which
     evicts the hash. Given its parent's key and its tokens too, the block is also found by the
     first tokens of its own (`partial_block`), for a prompt that leaves the cached text inside
-    the block: each of its first 1 .. size - 1 tokens after the parent is a key to it, the block
-    cached last winning a key that several share.
+    the block.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -29,10 +30,12 @@ class BlockPool:
         # Per block: the hash of the tokens it holds (prefix + its own), None when not cached.
         self.block_hashes: list[BlockHash | None] = [None] * num_blocks
         self.cached: dict[BlockHash, int] = {}  # block hash -> block id
-        # (parent key, a cached block's first j tokens, j < its size) -> that block; and per block,
-        # the keys it holds there, dropped when it is evicted.
-        self._heads: dict[tuple[BlockHash, tuple[int, ...]], int] = {}
-        self._head_keys: list[list[tuple[BlockHash, tuple[int, ...]]] | None] = [None] * num_blocks
+        # Cached blocks by parent: parent key -> (their tokens packed 4 bytes each, sorted; their
+        # ids in the same order). Of sorted strings, those that begin with the most of a query sit
+        # next to where the query would sort, so the best partial hit is one of two neighbours.
+        # About 160 bytes a block; an index of every beginning (16 keys a block) took 3.6 KB.
+        self._children: dict[BlockHash, tuple[list[bytes], list[int]]] = {}
+        self._child_of: list[tuple[BlockHash, bytes] | None] = [None] * num_blocks
         # An OrderedDict (not a deque) so that a cache hit can take a block out of the middle in O(1).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
@@ -79,21 +82,25 @@ class BlockPool:
             return  # already cached, or an identical block already is: keep the first
         self.block_hashes[block_id] = block_hash
         self.cached[block_hash] = block_id
-        if parent is not None and len(tokens) > 1:
-            keys = [(parent, tuple(tokens[:j])) for j in range(1, len(tokens))]
-            for key in keys:
-                self._heads[key] = block_id
-            self._head_keys[block_id] = keys
+        if parent is not None and tokens:
+            packed = _pack(tokens)
+            keys, ids = self._children.setdefault(parent, ([], []))
+            at = bisect.bisect_left(keys, packed)
+            keys.insert(at, packed)
+            ids.insert(at, block_id)
+            self._child_of[block_id] = (parent, packed)
 
     def partial_block(self, parent: BlockHash, tokens: Sequence[int]) -> tuple[int, int] | None:
-        """A cached block after `parent` that begins with the most of `tokens` (fewer than a
-        block's worth): (block id, how many of them), or None when none begins with the first.
-        The caller increfs the block while it reads from it."""
-        for j in range(len(tokens), 0, -1):
-            block_id = self._heads.get((parent, tuple(tokens[:j])))
-            if block_id is not None:
-                return block_id, j
-        return None
+        """The cached block after `parent` that begins with the most of `tokens`: (block id, how
+        many of them), or None when none begins with the first. The caller increfs the block
+        while it reads from it."""
+        keys, ids = self._children.get(parent, ((), ()))
+        if not keys or not tokens:
+            return None
+        query = _pack(tokens)
+        at = bisect.bisect_left(keys, query)
+        best = max(((_common(keys[i], query), ids[i]) for i in (at - 1, at) if 0 <= i < len(keys)))
+        return (best[1], best[0]) if best[0] > 0 else None
 
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
         """The block holding `block_hash`, allocated or still in the free queue; the caller increfs it."""
@@ -104,9 +111,25 @@ class BlockPool:
         if block_hash is not None:
             del self.cached[block_hash]
             self.block_hashes[block_id] = None
-        keys = self._head_keys[block_id]
-        if keys is not None:
-            for key in keys:
-                if self._heads.get(key) == block_id:  # a block cached later may hold it now
-                    del self._heads[key]
-            self._head_keys[block_id] = None
+        child = self._child_of[block_id]
+        if child is not None:
+            parent, packed = child
+            keys, ids = self._children[parent]
+            at = bisect.bisect_left(keys, packed)
+            while ids[at] != block_id:  # equal tokens after one parent are cached once, but be sure
+                at += 1
+            del keys[at], ids[at]
+            if not keys:
+                del self._children[parent]
+            self._child_of[block_id] = None
+
+
+def _pack(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f">{len(tokens)}I", *tokens)
+
+
+def _common(a: bytes, b: bytes) -> int:
+    """How many tokens (4 bytes each) a and b begin with alike."""
+    n = min(len(a), len(b))
+    first_diff = next((i for i in range(n) if a[i] != b[i]), n)
+    return first_diff // 4
