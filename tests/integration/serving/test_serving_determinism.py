@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 import openai
 import pytest
 
+from forge_service.config import CacheConfig
 from tests.integration.serving.servers import SERVER_THREADS, ForgeProcess, running_forge
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -109,3 +110,19 @@ def test_another_prefill_split_on_another_server_gives_the_same_tokens(first, fr
     got = _together(client, [LONG + [{"role": "assistant", "content": "Note 4."},
                                      {"role": "user", "content": f"And note {i}?"}] for i in range(6)] + [FRANCE])
     assert got[-1] == answers["france"]
+
+
+def test_a_new_question_reuses_the_chat_template_to_the_token(fresh_server, hf_tokenizer) -> None:
+    """Two different questions share the chat template's tokens before the user's words (the
+    system prompt and the user turn's header), a run that ends inside a KV block. On a fresh
+    server the second question takes all of them from the prefix cache, not only the whole
+    blocks among them."""
+    first = [{"role": "user", "content": "Which planet is the largest?"}]
+    second = [{"role": "user", "content": "Name a famous bridge."}]
+    a, b = (list(hf_tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)
+                 ["input_ids"]) for m in (first, second))
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert shared % CacheConfig().block_size != 0  # whole blocks alone would leave some of it
+    client = _client(fresh_server())
+    assert _ask(client, first)[1] == 0
+    assert _ask(client, second)[1] == shared
