@@ -159,6 +159,13 @@ def traces_endpoint(configured: str | None, env: Mapping[str, str] | None = None
             or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None)
 
 
+def malloc_arenas(env: Mapping[str, str] | None = None) -> int | None:
+    """How many glibc malloc arenas the serving process caps itself at: one per CPU it may run on,
+    unless MALLOC_ARENA_MAX is set (then glibc applies that itself, and this is None)."""
+    env = os.environ if env is None else env
+    return None if "MALLOC_ARENA_MAX" in env else len(os.sched_getaffinity(0))
+
+
 def _coerce(value: str, current: Any, name: str) -> Any:
     if isinstance(current, bool):
         return value.lower() in ("1", "true", "yes", "on")

@@ -17,10 +17,10 @@ import uvicorn
 
 from forge_gateway.app import create_app
 from forge_gateway.config import GatewayConfig, gateway_config_from_env
-from forge_service.config import EngineConfig, ServiceConfig
+from forge_service.config import EngineConfig, ServiceConfig, malloc_arenas
 from forge_service.logs import uvicorn_log_config
 from forge_service.metrics import metrics_endpoint
-from forge_service.server import ForgeService, build_service
+from forge_service.server import ForgeService, build_service, cap_malloc_arenas
 from forge_service.tracing import traced
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ async def _serve_with_gateway(service: ForgeService, config: GatewayConfig, stop
 def run_all(engine_config: EngineConfig, service_config: ServiceConfig) -> None:
     """Run the gRPC service and the gateway until SIGTERM/SIGINT; returns after a clean drain.
     The service's metrics are on --metrics-port, the gateway's on its HTTP port."""
+    cap_malloc_arenas(malloc_arenas())
     with traced(service_config.otlp_traces_endpoint, "forge") as tracer:
         service = build_service(engine_config, service_config, tracer)
         with metrics_endpoint(service.metrics.registry, service_config.host, service_config.metrics_port):

