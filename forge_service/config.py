@@ -163,7 +163,10 @@ def malloc_arenas(env: Mapping[str, str] | None = None) -> int | None:
     """How many glibc malloc arenas the serving process caps itself at: one per CPU it may run on,
     unless MALLOC_ARENA_MAX is set (then glibc applies that itself, and this is None)."""
     env = os.environ if env is None else env
-    return None if "MALLOC_ARENA_MAX" in env else len(os.sched_getaffinity(0))
+    if "MALLOC_ARENA_MAX" in env:
+        return None
+    usable = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere there is no glibc to cap
+    return len(usable(0)) if usable else os.cpu_count()
 
 
 def _coerce(value: str, current: Any, name: str) -> Any:
