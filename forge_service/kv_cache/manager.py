@@ -102,18 +102,20 @@ class KVCacheManager:
             return 0
         blocks: list[int] = []
         keys: list[BlockHash] = []
+        parent = ROOT  # the key of the last block matched
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
-            key = hash_block(keys[-1] if keys else ROOT, token_ids[i * bs:(i + 1) * bs])
+            key = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
             block = self.pool.get_cached_block(key)
             if block is None:
                 break
             blocks.append(block)
             keys.append(key)
+            parent = key
         self.pool.incref(blocks)  # first: allocating below must not evict them
         matched = len(blocks) * bs
         rest = token_ids[matched:matched + min(bs - 1, len(token_ids) - 1 - matched)]
-        partial = self.pool.partial_block(keys[-1] if keys else ROOT, rest) if rest else None
+        partial = self.pool.partial_block(parent, rest) if rest else None
         if partial is not None:
             source, count = partial
             self.pool.incref([source])
