@@ -106,7 +106,7 @@ class AttentionMetadata:
 
 
 class FusedDecode(Protocol):
-    """Every decoder layer of a decode step in one call (see `Backend.decode_plan`).
+    """Every decoder layer of a step in one call (see `Backend.decode_plan`).
 
     `max_rows`: the most rows it takes (None: any); `row_block`: its kernels take rows in blocks
     of this many, so that a step's cost jumps where its rows open a block (1: no such steps)."""
@@ -194,8 +194,8 @@ class Backend(Protocol):
 
     def decode_plan(self, layers: Sequence[Any], arch: Any, scale: float) -> FusedDecode | None:
         """A call that runs every one of `layers` (each with input_norm, post_norm and the Linear
-        layers qkv, o_proj, gate_up, down) for a decode step at once, or None: the model then runs
-        them op by op."""
+        layers qkv, o_proj, gate_up, down) at once for the steps its `takes` accepts, or None: the
+        model then runs them op by op."""
         ...
 
     # ---- per step and at start-up ----

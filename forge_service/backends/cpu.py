@@ -102,8 +102,9 @@ class CpuBackend:
 
     @staticmethod
     def decode_plan(layers: Sequence[Any], arch: Any, scale: float) -> cpu_kernels.DecodePlan | None:
-        """Every layer of a decode step in one native call, where the kernels serve each part of
-        these layers (bf16, every projection in a native 4-bit or int8 form); None elsewhere."""
+        """Every layer of a step (decode rows and prefill chunks) in one native call, where the
+        kernels serve each part of these layers (bf16, every projection in a native 4-bit or int8
+        form); None elsewhere."""
         names = ("qkv", "o_proj", "gate_up", "down")
         packed = [[getattr(layer, n).packed for n in names] for layer in layers]
         if any(w is None or w.native is None for ws in packed for w in ws):

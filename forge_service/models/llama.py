@@ -43,7 +43,7 @@ class LlamaModel:
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                       arch.rope_scaling, weights.get("model.rope_freq_factors"))
         self.scale = arch.head_dim ** -0.5
-        # The CPU backend runs a whole decode step's layers in one native call where it can.
+        # The CPU backend runs a whole step's layers in one native call where it can.
         self.decode_plan = backend.decode_plan(self.layers, arch, self.scale)
 
     def _layer(self, w: dict[str, torch.Tensor], codes: dict[str, QuantCodes], i: int) -> LlamaLayer:

@@ -1,12 +1,17 @@
-/* Every decoder layer of a bf16 decode step in one call, for the CPU backend.
+/* Every decoder layer of a bf16 step in one call, for the CPU backend: decode tokens and prefill
+ * chunks alike.
  *
- * A decode step runs eleven kernels per layer. Called one at a time from Python, each costs
- * 10-20 us of interpreter, ctypes and tensor allocation on top of its own work: about 5 ms a step
- * on the default model's 30 layers, half of a one-sequence step. This file runs the same kernels in
- * the same order, with the same arguments, so its results equal the per-kernel path's bit for bit:
+ * A step runs eleven kernels per layer. Called one at a time from Python, each costs 10-20 us of
+ * interpreter, ctypes and tensor allocation on top of its own work: about 2 ms a step on the
+ * default model's 30 layers (a one-sequence decode step takes 2.7 ms here, 4.6 through Python).
+ * This file runs the same kernels in the same order, with the same arguments, so its results equal
+ * the per-kernel path's bit for bit:
  *
  *   h = norm(x += delta); qkv = h Wqkv; rotate q, k; cache k, v; o = attention(q); delta = o Wo
  *   h = norm(x += delta); delta = (silu(h Wgate) * h Wup) Wdown
+ *
+ * Attention is decode attention for the step's decode rows and prefill attention for each chunk
+ * (which gives a query the bits decode attention would: see ops.c); the rest runs over all rows.
  *
  * Layouts are those of forge_service/backends/cpu.py: x [T, D] fp32 residual stream; the fused
  * projection's rows are q (H heads), k (Hkv), v (Hkv); caches [slots, Hkv, hd] bf16.
@@ -28,6 +33,9 @@ void forge_rotary(uint16_t *x, int64_t T, int64_t heads, int64_t hd, int64_t str
 int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int64_t *tables, int64_t width, const int32_t *lens, int64_t block_size, int64_t D,
                            int64_t H, int64_t Hkv, int64_t hd, float scale, uint16_t *out, int threads);
+int forge_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                            const int64_t *slots, int64_t C, int64_t L, int64_t H, int64_t Hkv, int64_t hd,
+                            float scale, uint16_t *out, int threads);
 
 typedef struct {  /* a weight in the quant_gemm.c layout; offset is NULL for q8 */
     const uint8_t *codes;
@@ -57,13 +65,17 @@ static int project(const forge_weight *w, const uint16_t *x, int64_t T, uint16_t
     return forge_q8_linear(x, 1, T, w->k, w->n, w->codes, w->scale, out, 1, w->levels, w->fine_above, threads);
 }
 
-/* T decode tokens, one per sequence, through `count` layers. x [T, hidden] fp32, the embeddings,
- * is updated in place; delta [T, hidden] bf16 is the last layer's MLP output on return, still to be
- * added to x. slots [T]: each token's cache slot; cos, sin [T, head_dim] bf16; tables [T, width]
- * block ids and lens [T] context lengths (this token included). */
+/* T tokens through `count` layers. x [T, hidden] fp32, the embeddings, is updated in place; delta
+ * [T, hidden] bf16 is the last layer's MLP output on return, still to be added to x. slots [T]: each
+ * token's cache slot; cos, sin [T, head_dim] bf16.
+ * Rows 0 .. decodes - 1 are decode tokens (one query each: a sequence's next token, or one of its
+ * verified drafts): tables [decodes, width] block ids and lens [decodes] context lengths (the
+ * token included). Then `chunks` prefill chunks, chunk c [3]: its first row, its L rows and its C
+ * context tokens (its own last), whose slots follow the previous chunks' in context_slots. */
 int forge_decode_layers(const forge_layer *layers, int64_t count, const forge_dims *dims, float *x, uint16_t *delta,
-                        int64_t T, const int64_t *slots, const uint16_t *cos, const uint16_t *sin,
-                        const int64_t *tables, int64_t width, const int32_t *lens, int threads) {
+                        int64_t T, const int64_t *slots, const uint16_t *cos, const uint16_t *sin, int64_t decodes,
+                        const int64_t *tables, int64_t width, const int32_t *lens, int64_t chunks,
+                        const int64_t *chunk, const int64_t *context_slots, int threads) {
     const int64_t D = dims->hidden, H = dims->heads, Hkv = dims->kv_heads, hd = dims->head_dim;
     const int64_t F = dims->intermediate, Nqkv = (H + 2 * Hkv) * hd, kv = Hkv * hd;
     for (int64_t l = 0; l < count; l++) {
@@ -72,6 +84,13 @@ int forge_decode_layers(const forge_layer *layers, int64_t count, const forge_di
             p->gate_up.k != D || p->down.n != D || p->down.k != F)
             return BAD_SHAPE;
     }
+    int64_t rows = decodes;  /* the chunks tile rows decodes .. T - 1, in order */
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t *k = chunk + 3 * c;
+        if (decodes < 0 || k[0] != rows || k[1] < 1 || k[2] < k[1]) return BAD_SHAPE;
+        rows += k[1];
+    }
+    if (rows != T) return BAD_SHAPE;
     uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(T * (D + Nqkv + H * hd + 3 * F)));
     if (!h) return NO_MEMORY;
     uint16_t *qkv = h + T * D, *attn = qkv + T * Nqkv, *gate_up = attn + T * H * hd, *act = gate_up + T * 2 * F;
@@ -85,9 +104,18 @@ int forge_decode_layers(const forge_layer *layers, int64_t count, const forge_di
             memcpy(p->k_cache + slots[t] * kv, qkv + t * Nqkv + H * hd, sizeof(uint16_t) * (size_t)kv);
             memcpy(p->v_cache + slots[t] * kv, qkv + t * Nqkv + (H + Hkv) * hd, sizeof(uint16_t) * (size_t)kv);
         }
-        if ((status = forge_decode_attention(qkv, Nqkv, p->k_cache, p->v_cache, tables, width, lens,
-                                             dims->block_size, T, H, Hkv, hd, dims->scale, attn, threads)))
+        if (decodes && (status = forge_decode_attention(qkv, Nqkv, p->k_cache, p->v_cache, tables, width, lens,
+                                                        dims->block_size, decodes, H, Hkv, hd, dims->scale, attn,
+                                                        threads)))
             break;
+        const int64_t *context = context_slots;
+        for (int64_t c = 0; c < chunks && status == OK; c++) {  /* its status codes are these */
+            const int64_t first = chunk[3 * c], L = chunk[3 * c + 1], C = chunk[3 * c + 2];
+            status = forge_prefill_attention(qkv + first * Nqkv, Nqkv, p->k_cache, p->v_cache, context, C, L, H, Hkv,
+                                             hd, dims->scale, attn + first * H * hd, threads);
+            context += C;
+        }
+        if (status) break;
         if ((status = project(&p->o, attn, T, delta, threads))) break;
         forge_add_rms_norm(x, delta, p->post_norm, h, T, D, dims->eps, threads);
         if ((status = project(&p->gate_up, h, T, gate_up, threads))) break;

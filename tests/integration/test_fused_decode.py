@@ -1,5 +1,6 @@
-"""The CPU backend's fused decode (every layer of a decode step in one native call) against the
-per-kernel path it replaces, on the default model: the same tokens and logprobs, bit for bit."""
+"""The CPU backend's fused step (every layer of a step in one native call: decode rows and prefill
+chunks) against the per-kernel path it replaces, on the default model: the same tokens and
+logprobs, bit for bit."""
 from __future__ import annotations
 
 import re
@@ -10,7 +11,7 @@ import torch
 
 from forge_service import LLM, SamplingParams
 from forge_service.backends import cpu_kernels
-from forge_service.backends.base import AttentionMetadata
+from forge_service.backends.base import AttentionMetadata, PrefillSeq
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(cpu_kernels.library() is None,
@@ -25,22 +26,49 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
     return [(o.token_ids, [[(lp.token_id, lp.logprob) for lp in pos] for pos in o.logprobs]) for o in outs]
 
 
+def _recorded(model) -> list[tuple[int, list[bool]]]:
+    """Swap in a plan that records each step it runs: (decode rows, for each prefill chunk whether
+    it continues an earlier one)."""
+    plan, steps = model.decode_plan, []
+
+    def run(x, cos, sin, kv_caches, meta):
+        steps.append((meta.num_decode_tokens, [seq.ctx_slots is not None for seq in meta.prefills]))
+        return plan(x, cos, sin, kv_caches, meta)
+
+    run.takes = plan.takes
+    model.decode_plan = run
+    return steps
+
+
 def test_fused_decode_equals_the_per_kernel_path(fidelity_prompt_ids):
     llm = LLM(dtype="bfloat16", enable_prefix_caching=False)
     model = llm.engine.runner.model
-    plan = model.decode_plan
-    assert plan is not None
-    calls = []
-    model.decode_plan = lambda *args: calls.append(len(args[0])) or plan(*args)
-    model.decode_plan.takes = plan.takes
+    assert model.decode_plan is not None
+    steps = _recorded(model)
     prompts = fidelity_prompt_ids[:5] + fidelity_prompt_ids[14:19]  # 10 of mixed lengths
     fused = _run(llm, prompts)
-    assert set(calls) == set(range(1, len(prompts) + 1))  # every batch size on the way down
+    decode_steps = {decodes for decodes, chunks in steps if not chunks}
+    assert decode_steps == set(range(1, len(prompts) + 1))  # every batch size on the way down
     model.decode_plan = None
     assert _run(llm, prompts) == fused
 
 
-def test_the_plan_takes_decode_steps_of_any_size_and_nothing_else(llm_fp32):
+def test_prefill_chunks_beside_decodes_get_the_per_kernel_path_s_bits(fidelity_prompt_ids):
+    # A small token budget: prompts prefill in chunks that continue earlier ones, in steps where
+    # the first requests already decode.
+    llm = LLM(dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=24)
+    model = llm.engine.runner.model
+    steps = _recorded(model)
+    prompts = fidelity_prompt_ids[:6]
+    fused = _run(llm, prompts)
+    assert any(decodes and chunks for decodes, chunks in steps)  # mixed steps
+    assert any(any(chunks) for _, chunks in steps)  # chunks after the first of their prompt
+    assert any(not decodes and chunks for decodes, chunks in steps)  # prefill alone
+    model.decode_plan = None
+    assert _run(llm, prompts) == fused
+
+
+def test_the_plan_takes_steps_of_any_size(llm_fp32):
     engine = LLM(dtype="bfloat16").engine
     plan = engine.runner.model.decode_plan
     # its GEMMs' blocks of rows (ROWS in native/cpu/quant_gemm.c), which bound drafts in the scheduler
@@ -49,7 +77,11 @@ def test_the_plan_takes_decode_steps_of_any_size_and_nothing_else(llm_fp32):
     decode = AttentionMetadata(slot_mapping=torch.zeros(4, dtype=torch.long), block_size=16, num_decode_tokens=4,
                                decode_lens=torch.ones(4, dtype=torch.int32))
     assert plan.takes(decode, 4)
-    assert not plan.takes(decode, 5)  # a prefill chunk rides along
+    mixed = AttentionMetadata(slot_mapping=torch.zeros(9, dtype=torch.long), block_size=16, num_decode_tokens=4,
+                              decode_lens=torch.ones(4, dtype=torch.int32), prefills=[PrefillSeq(4, 9)])
+    assert plan.takes(mixed, 9)  # a prefill chunk rides along
+    assert not plan.takes(AttentionMetadata(slot_mapping=torch.zeros(4, dtype=torch.long), block_size=16,
+                                            num_decode_tokens=4), 4)  # decode rows without their lengths
     big = AttentionMetadata(slot_mapping=torch.zeros(64, dtype=torch.long), block_size=16, num_decode_tokens=64,
                             decode_lens=torch.ones(64, dtype=torch.int32))
     assert plan.takes(big, 64) and plan.max_rows is None  # the native GEMMs take every batch size
