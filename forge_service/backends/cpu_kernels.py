@@ -316,7 +316,7 @@ class _Dims(ctypes.Structure):
 
 @dataclass
 class DecodeLayer:
-    """One decoder layer's weights as the fused decode call takes them: bf16 norms and each
+    """One decoder layer's weights as the fused step call takes them: bf16 norms and each
     projection in the native layout with its activation levels."""
 
     input_norm: torch.Tensor
@@ -371,13 +371,13 @@ class DecodePlan:
         """x [T, D] fp32 embeddings, updated in place; cos, sin [T, 1, hd] bf16 -> the last layer's
         MLP output [T, D] bf16, still to be added to x."""
         if not _bf16(cos, sin):
-            raise ValueError("the fused decode takes bf16 rotary tables")
+            raise ValueError("the fused step takes bf16 rotary tables")
         if kv_caches is not self._caches:
             if len(kv_caches) != len(self.layers):
                 raise ValueError(f"{len(kv_caches)} caches for {len(self.layers)} layers")
             for row, (k_cache, v_cache) in zip(self.table, kv_caches):
                 if not (_bf16(k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()):
-                    raise ValueError("the fused decode takes contiguous bf16 caches")
+                    raise ValueError("the fused step takes contiguous bf16 caches")
                 row.k_cache, row.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
             self._caches = kv_caches
         self.dims.block_size = meta.block_size
