@@ -84,10 +84,11 @@ int forge_decode_layers(const forge_layer *layers, int64_t count, const forge_di
             p->gate_up.k != D || p->down.n != D || p->down.k != F)
             return BAD_SHAPE;
     }
+    if (decodes < 0 || chunks < 0) return BAD_SHAPE;
     int64_t rows = decodes;  /* the chunks tile rows decodes .. T - 1, in order */
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t *k = chunk + 3 * c;
-        if (decodes < 0 || k[0] != rows || k[1] < 1 || k[2] < k[1]) return BAD_SHAPE;
+        if (k[0] != rows || k[1] < 1 || k[2] < k[1]) return BAD_SHAPE;
         rows += k[1];
     }
     if (rows != T) return BAD_SHAPE;

@@ -168,8 +168,9 @@ static inline __m512i dot8(const __m512i *chunk, const int8_t *x) {  /* one acti
  * first level. (Kept in memory and indexed by the bit's position, they made each needed group a
  * load and a store: 4-5% of the GEMMs' time on the default model's layers at 8 to 125 rows.)
  * The block's rows are read at fixed offsets (see quantize_rows), and each chunk of weights meets
- * every row before the next chunk is taken, so R VNNI chains run side by side. Given `ahead` (the next tile's packed
- * codes; its scales and offsets follow this tile's), each group also prefetches that tile's group. */
+ * every row before the next chunk is taken, so R VNNI chains run side by side. Given `ahead` (the
+ * next tile's packed codes; its scales and offsets follow this tile's), each group also prefetches
+ * that tile's group. */
 static inline __attribute__((always_inline)) void tile(int q4, int unpacked, const uint8_t *codes,
                                                        const uint16_t *wd16, const uint16_t *wm16, const int8_t *a,
                                                        const int8_t *a_fine, const float *xd, const float *xs,
