@@ -199,6 +199,10 @@ def linear(x: torch.Tensor, w: QuantWeight, levels: int = 2, fine_above: float =
 
 # ---- the bf16 decode path's other ops: each one call instead of several torch ops ----
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def _bf16(*tensors: torch.Tensor) -> bool:
     # A loop, not all() over a generator: this runs a few hundred times a decode step.
     for t in tensors:
@@ -220,7 +224,7 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
     if delta is not None:
         delta = delta.contiguous()
         assert delta.shape == residual.shape and _bf16(delta)
-    library().forge_add_rms_norm(residual.data_ptr(), None if delta is None else delta.data_ptr(),
+    library().forge_add_rms_norm(residual.data_ptr(), _ptr(delta),
                                  weight.contiguous().data_ptr(), out.data_ptr(), t, d, eps, torch.get_num_threads())
     return out
 
@@ -327,10 +331,6 @@ class DecodeLayer:
     down: tuple[QuantWeight, int]
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 class DecodePlan:
     """Runs every layer of a step in one native call, its decode rows and prefill chunks alike: the
     per-kernel path's kernels, in its order and with its arguments (so the same bits), without ~11
@@ -351,8 +351,7 @@ class DecodePlan:
             for name in ("qkv", "o", "gate_up", "down"):
                 w, levels = getattr(layer, name)
                 setattr(row, name, _Weight(w.codes.data_ptr(), w.scale.data_ptr(),
-                                           None if w.offset is None else w.offset.data_ptr(), w.shape[0],
-                                           w.shape[1], levels, FINE_ABOVE))
+                                           _ptr(w.offset), w.shape[0], w.shape[1], levels, FINE_ABOVE))
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @staticmethod
@@ -388,17 +387,18 @@ class DecodePlan:
         if decodes:
             tables = meta.decode_block_tables.to(torch.int64).contiguous()
             lens = meta.decode_lens.to(torch.int32).contiguous()
-        # each prefill chunk: its first row, its rows, its context (its own tokens last)
-        contexts = [slots[s.q_start:s.q_end] if s.ctx_slots is None else s.ctx_slots.to(torch.int64)
-                    for s in meta.prefills]
-        chunks = torch.tensor([[s.q_start, s.q_end - s.q_start, len(c)] for s, c in zip(meta.prefills, contexts)],
-                              dtype=torch.int64)
-        context = torch.cat(contexts).contiguous() if contexts else None
+        chunks = context = None
+        if meta.prefills:  # each chunk: its first row, its rows, its context (its own tokens last)
+            contexts = [slots[s.q_start:s.q_end] if s.ctx_slots is None else s.ctx_slots.to(torch.int64)
+                        for s in meta.prefills]
+            chunks = torch.tensor([[s.q_start, s.q_end - s.q_start, len(c)] for s, c in zip(meta.prefills, contexts)],
+                                  dtype=torch.int64)
+            context = torch.cat(contexts).contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
         status = library().forge_decode_layers(
             ctypes.byref(self.table), len(self.layers), ctypes.byref(self.dims), x.data_ptr(), delta.data_ptr(), t,
             slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), decodes, _ptr(tables),
-            0 if tables is None else tables.shape[1], _ptr(lens), len(contexts), _ptr(chunks), _ptr(context),
+            0 if tables is None else tables.shape[1], _ptr(lens), len(meta.prefills), _ptr(chunks), _ptr(context),
             torch.get_num_threads())
         if status:
             raise ValueError({1: "unsupported shapes", 2: "out of memory"}.get(status, f"status {status}"))
