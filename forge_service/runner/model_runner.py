@@ -44,6 +44,15 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)  # keeps `memory` alive
 
 
+def _is_decode(chunk: ScheduledChunk) -> bool:
+    """A decode row computes the token after a sampled one (and its draft). A prompt's tokens always
+    take the prefill path, also its last one alone (after a prefix-cache hit or a chunk boundary):
+    each prompt position then goes through the same kernels however the prompt was cached or split,
+    which keeps greedy output the same where decode and prefill attention round differently (the
+    CUDA backend's do; the CPU backend's give the same bits)."""
+    return chunk.num_tokens == 1 + len(chunk.draft) and chunk.start >= chunk.request.num_prompt_tokens
+
+
 class ModelRunner:
     """Owns the K/V tensors and the sampler."""
 
@@ -88,8 +97,8 @@ class ModelRunner:
         # and the draft before it, whose KV this step writes before any row attends. Verification
         # thus runs the kernels a plain decode runs (the fused decode call included), and each
         # row's logits are those a plain decode at its position would get.
-        decodes = [c for c in out.chunks if c.num_tokens == 1 + len(c.draft)]
-        prefills = [c for c in out.chunks if c.num_tokens > 1 + len(c.draft)]
+        decodes = [c for c in out.chunks if _is_decode(c)]
+        prefills = [c for c in out.chunks if not _is_decode(c)]
         ordered = decodes + prefills  # decodes first: they are attended as one padded batch
         input_ids, positions, slots, logit_rows, tables = self._flat_inputs(ordered)
         num_decode_rows = sum(c.num_tokens for c in decodes)

@@ -186,3 +186,26 @@ def test_a_prefix_that_ends_inside_a_block_is_copied_not_recomputed(tiny_dir):
         assert max(diffs) < 1e-4
     assert [o.num_cached_tokens for o in got] == [0, 40, 40, 40]
     assert cached.engine.kv.num_used_blocks == 0
+
+
+def test_a_prompt_s_last_token_alone_takes_the_prefill_path(tiny_dir):
+    """After a prefix-cache hit only the prompt's last token is left: it is attended as a prefill
+    chunk over the cached context (as it was inside the whole prompt), not as a decode row, whose
+    kernel rounds differently on the GPU. The tokens generated after it are decodes."""
+    llm = LLM(model=str(tiny_dir), dtype="float32")
+    backend, steps = llm.engine.runner.backend, []
+    prepare = backend.prepare
+
+    def recording(meta):
+        steps.append((meta.num_decode_tokens, [(s.q_end - s.q_start, s.ctx_slots is not None) for s in meta.prefills]))
+        return prepare(meta)
+
+    backend.prepare = recording
+    prompt, params = list(range(3, 20)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first = llm.generate([prompt], params)[0]
+    assert steps == [(0, [(17, False)]), (1, []), (1, [])]
+    steps.clear()
+    again = llm.generate([prompt], params)[0]
+    assert again.num_cached_tokens == 16  # a whole block
+    assert steps == [(0, [(1, True)]), (1, []), (1, [])]
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
