@@ -1,0 +1,89 @@
+"""GPU: the engine tests on tiny models (tests/unit/test_engine_tiny.py, test_speculative_engine.py
+and test_structured_engine.py) on the CUDA backend, on models whose head_dim (64) the GPU's decode
+kernel takes: greedy decoding against transformers across chunks, batch against solo under
+preemption, n and seeds, stops, prefix-cache hits (a block's first tokens copied; a prompt's last
+token alone); speculation's greedy and seeded outputs unchanged in mixed batches, opt-out and caps,
+KV rollback, stops inside an accepted run, the sampled law (chi-square, the wrong verifier caught);
+structured output under chunked prefill, preemption and n, JSON schemas, stops and grammar limits.
+
+Each test is the CPU one, run with the engines it builds (its module's `LLM`) on the GPU."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from forge_service import LLM
+from tests.tiny_models import random_weights, tiny_arch, tiny_tokenizer_json, write_safetensors_dir
+from tests.unit import test_engine_tiny as tiny_tests
+from tests.unit import test_speculative_engine as engine_tests
+from tests.unit.test_engine_tiny import CHATML_TEMPLATE, sharp_weights
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+GPU_ARCH = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)  # head_dim 64
+# The tests rely on the model's greedy loops (drafts accepted, a stop string inside an accepted
+# run): seed 1's weights at this size have them on the CPU backend (seeds 2 and 3 do not).
+
+
+@pytest.fixture(autouse=True, scope="module")
+def on_the_gpu():
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (tiny_tests, engine_tests):
+            patch.setattr(module, "LLM", functools.partial(LLM, device=DEVICE))
+        yield
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(model=str(tiny_dir), dtype="float32", max_num_batched_tokens=64, device=DEVICE)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    arch = tiny_arch(**GPU_ARCH)
+    root = tmp_path_factory.mktemp("tiny_gpu")
+    write_safetensors_dir(root, arch, sharp_weights(arch, seed=1), tokenizer_json=tiny_tokenizer_json(),
+                          chat_template=CHATML_TEMPLATE)
+    return root
+
+
+@pytest.fixture(scope="module")
+def unigram_dir(tmp_path_factory):
+    arch = tiny_arch(**GPU_ARCH)
+    root = tmp_path_factory.mktemp("tiny_gpu_unigram")
+    w = random_weights(arch, seed=5)
+    embed = w["model.embed_tokens.weight"]
+    w["model.embed_tokens.weight"] = embed[:1].expand_as(embed).clone()
+    write_safetensors_dir(root, arch, w, tokenizer_json=tiny_tokenizer_json())
+    return root
+
+
+test_greedy_decode_matches_transformers_across_chunks = tiny_tests.test_greedy_decode_matches_transformers_across_chunks
+test_batch_equals_solo_with_preemption = tiny_tests.test_batch_equals_solo_with_preemption
+test_n_completions_and_seeds = tiny_tests.test_n_completions_and_seeds
+test_stop_token_ids_and_eos = tiny_tests.test_stop_token_ids_and_eos
+test_stop_string_cuts_text = tiny_tests.test_stop_string_cuts_text
+test_bf16_follows_fp32 = tiny_tests.test_bf16_follows_fp32
+test_prefix_caching_reuses_blocks_without_changing_outputs = tiny_tests.test_prefix_caching_reuses_blocks_without_changing_outputs
+test_a_prefix_that_ends_inside_a_block_is_copied_not_recomputed = \
+    tiny_tests.test_a_prefix_that_ends_inside_a_block_is_copied_not_recomputed
+test_a_prompt_s_last_token_alone_takes_the_prefill_path = tiny_tests.test_a_prompt_s_last_token_alone_takes_the_prefill_path
+
+test_mixed_batch_with_preemption_and_prefix_cache_is_unchanged = \
+    engine_tests.test_mixed_batch_with_preemption_and_prefix_cache_is_unchanged
+test_a_request_can_opt_out = engine_tests.test_a_request_can_opt_out
+test_drafts_stay_within_the_per_request_and_per_step_caps = \
+    engine_tests.test_drafts_stay_within_the_per_request_and_per_step_caps
+test_rejected_drafts_leave_no_kv_behind = engine_tests.test_rejected_drafts_leave_no_kv_behind
+test_stops_inside_an_accepted_run_cut_at_their_token = engine_tests.test_stops_inside_an_accepted_run_cut_at_their_token
+test_structured_output_stays_valid_and_unchanged = engine_tests.test_structured_output_stays_valid_and_unchanged
+test_sampled_tokens_follow_the_target_distribution = engine_tests.test_sampled_tokens_follow_the_target_distribution
+test_a_draft_through_the_end_of_structured_output_stops_there = \
+    engine_tests.test_a_draft_through_the_end_of_structured_output_stops_there
+
+
+def test_the_engine_tests_build_their_engines_on_the_gpu(tiny_dir, llm):
+    for module in (tiny_tests, engine_tests):
+        assert module.LLM(model=str(tiny_dir), dtype="float32").engine.runner.device.type == DEVICE
+    assert llm.engine.runner.device.type == DEVICE
