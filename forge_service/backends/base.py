@@ -192,13 +192,6 @@ class Backend(Protocol):
         rest prefill chunks (meta.prefills)."""
         ...
 
-    def chunks_attend_as_decodes(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether a query gets from prefill attention, as one row of a chunk, the very bits that
-        decode attention gives it as a decode row. Where it does, the runner attends a verified
-        draft's rows as one chunk, whose queries share each key load; elsewhere as decode rows, so
-        that a verified token gets a plain decode's bits."""
-        ...
-
     def decode_plan(self, layers: Sequence[Any], arch: Any, scale: float) -> FusedDecode | None:
         """A call that runs every one of `layers` (each with input_norm, post_norm and the Linear
         layers qkv, o_proj, gate_up, down) at once for the steps its `takes` accepts, or None: the

@@ -101,12 +101,6 @@ class CpuBackend:
         return out.flatten(1)
 
     @staticmethod
-    def chunks_attend_as_decodes(dtype: torch.dtype, head_dim: int) -> bool:
-        # ops.c's prefill attention runs decode attention's operations in its order, query by query
-        # (test_a_query_gets_the_same_bits_in_a_prefill_chunk_as_in_a_decode_step); torch's do not.
-        return cpu_kernels.attention_kernels_serve(dtype, head_dim)
-
-    @staticmethod
     def decode_plan(layers: Sequence[Any], arch: Any, scale: float) -> cpu_kernels.DecodePlan | None:
         """Every layer of a step (decode rows and prefill chunks) in one native call, where the
         kernels serve each part of these layers (bf16, every projection in a native 4-bit or int8

@@ -260,12 +260,6 @@ def _head_dim_supported(hd: int) -> bool:
     return hd % 32 == 0 and hd <= 256  # ops.c's attention: whole 32-value bf16 loads, MAX_HEAD_DIM
 
 
-def attention_kernels_serve(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the native attention kernels serve a model of this dtype and head size (given the
-    model's contiguous query heads and cache, which attention_supported checks per call)."""
-    return library() is not None and dtype == torch.bfloat16 and _head_dim_supported(head_dim)
-
-
 def attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """q [T, H, hd] with whole heads contiguous, against a contiguous cache; both bf16."""
     hd = q.shape[-1]

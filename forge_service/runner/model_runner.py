@@ -44,15 +44,13 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)  # keeps `memory` alive
 
 
-def _is_decode(chunk: ScheduledChunk, drafts_as_chunks: bool) -> bool:
-    """Decode rows compute the token after a sampled one, and each token of its draft unless
-    `drafts_as_chunks`. A prompt's tokens always take the prefill path, also its last one alone
-    (after a prefix-cache hit or a chunk boundary): each prompt position then goes through the same
-    kernels however the prompt was cached or split, which keeps greedy output the same where decode
-    and prefill attention round differently (the CUDA backend's do)."""
-    if chunk.start < chunk.request.num_prompt_tokens:
-        return False
-    return chunk.num_tokens == 1 or (chunk.num_tokens == 1 + len(chunk.draft) and not drafts_as_chunks)
+def _is_decode(chunk: ScheduledChunk) -> bool:
+    """A decode row computes the token after a sampled one (and its draft). A prompt's tokens always
+    take the prefill path, also its last one alone (after a prefix-cache hit or a chunk boundary):
+    each prompt position then goes through the same kernels however the prompt was cached or split,
+    which keeps greedy output the same where decode and prefill attention round differently (the
+    CUDA backend's do; the CPU backend's give the same bits)."""
+    return chunk.num_tokens == 1 + len(chunk.draft) and chunk.start >= chunk.request.num_prompt_tokens
 
 
 class ModelRunner:
@@ -71,10 +69,6 @@ class ModelRunner:
         self.kv_caches = [(_zeros(shape, dtype, self.device), _zeros(shape, dtype, self.device))
                           for _ in range(arch.num_layers)]
         self.sampler: Sampler = self.backend.sampler()
-        # A verified draft's rows as one prefill chunk, where that gives each the bits of a decode
-        # row: its queries then share each key load (at 500 tokens of context, 4 rows attend in
-        # 0.77x the time as decode rows, 8 in 0.73x).
-        self.drafts_as_chunks = self.backend.chunks_attend_as_decodes(dtype, arch.head_dim)
         self.grammars: MatcherSet | None = None  # structured output's matchers; set by the engine
 
     def startup(self, max_batch: int, max_len: int) -> None:
@@ -99,12 +93,12 @@ class ModelRunner:
         for c in out.chunks:
             if c.kv_copy is not None:
                 self._copy_kv(*c.kv_copy)
-        # A decode with a draft is one row per verified token: row i attends to the context and the
-        # draft before it, whose KV this step writes before any row attends. Its rows are decode
-        # rows, or one prefill chunk where that gives the same bits (drafts_as_chunks); either way
-        # each row's logits are those a plain decode at its position would get.
-        decodes = [c for c in out.chunks if _is_decode(c, self.drafts_as_chunks)]
-        prefills = [c for c in out.chunks if not _is_decode(c, self.drafts_as_chunks)]
+        # A decode with a draft is one decode row per verified token: row i attends to the context
+        # and the draft before it, whose KV this step writes before any row attends. Verification
+        # thus runs the kernels a plain decode runs (the fused decode call included), and each
+        # row's logits are those a plain decode at its position would get.
+        decodes = [c for c in out.chunks if _is_decode(c)]
+        prefills = [c for c in out.chunks if not _is_decode(c)]
         ordered = decodes + prefills  # decodes first: they are attended as one padded batch
         input_ids, positions, slots, logit_rows, tables = self._flat_inputs(ordered)
         num_decode_rows = sum(c.num_tokens for c in decodes)

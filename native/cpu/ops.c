@@ -531,12 +531,7 @@ int forge_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t 
                             const int64_t *slots, int64_t C, int64_t L, int64_t H, int64_t Hkv, int64_t hd,
                             float scale, uint16_t *out, int threads) {
     if (!shapes_ok(H, Hkv, hd) || L > C || L < 1) return 1;
-    const int64_t G = H / Hkv;
-    int64_t rows = G >= PREFILL_HEADS ? 1 : PREFILL_HEADS / G;
-    /* A chunk of a few rows (a verified draft's) would be one job per KV head, fewer than two per
-     * thread: its rows go in smaller runs, so that every thread has work. */
-    while (rows > 4 && (L + rows - 1) / rows * Hkv < 2 * threads) rows = (rows + 1) / 2;
-    const int64_t blocks = (L + rows - 1) / rows;
+    const int64_t G = H / Hkv, rows = G >= PREFILL_HEADS ? 1 : PREFILL_HEADS / G, blocks = (L + rows - 1) / rows;
     const int64_t floats = (rows * G * (hd + C + 16) + 16 * hd + 15) / 16 * 16;  /* whole cache lines */
     float *work = aligned_alloc(64, 64 * (size_t)(threads * (floats / 16 + rows * G)));
     if (!work) return 2;

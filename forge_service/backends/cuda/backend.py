@@ -98,9 +98,6 @@ class CudaBackend:
         rotary.rotary_(self.kernels, q, k, *tables)
         return q, k
 
-    def chunks_attend_as_decodes(self, dtype: torch.dtype, head_dim: int) -> bool:
-        return False  # the prefill kernel rounds probabilities to 16 bits on tensor cores; decode keeps fp32
-
     def decode_plan(self, layers: Sequence[Any], arch: Any, scale: float) -> None:
         return None  # decode steps run op by op, replayed from CUDA graphs (see run)
 
