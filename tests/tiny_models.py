@@ -52,6 +52,20 @@ def random_weights(arch: ArchConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 
 # ---- vocabulary -------------------------------------------------------------------------------
 
+# The tiny models' sizes for the GPU tests: head_dim 64, which the CUDA decode kernel takes (the
+# default tiny head_dim, 16, it does not).
+GPU_SIZES: dict[str, Any] = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
+
+
+def unigram_weights(arch: ArchConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights with every token embedded alike: every position's hidden state, and so its
+    next-token distribution, is the same whatever the context (a unigram model)."""
+    w = random_weights(arch, seed)
+    embed = w["model.embed_tokens.weight"]
+    w["model.embed_tokens.weight"] = embed[:1].expand_as(embed).clone()
+    return w
+
+
 def byte_level_chars() -> list[str]:
     """GPT-2's byte -> printable character table, indexed by byte value."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]

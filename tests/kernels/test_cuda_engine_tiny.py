@@ -14,16 +14,13 @@ import functools
 import pytest
 
 from forge_service import LLM
-from tests.tiny_models import random_weights, tiny_arch, tiny_tokenizer_json, write_safetensors_dir
+from tests.tiny_models import GPU_SIZES, tiny_arch, tiny_tokenizer_json, unigram_weights, write_safetensors_dir
 from tests.unit import test_engine_tiny as tiny_tests
 from tests.unit import test_speculative_engine as engine_tests
 from tests.unit.test_engine_tiny import CHATML_TEMPLATE, sharp_weights
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
-GPU_ARCH = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)  # head_dim 64
-# The tests rely on the model's greedy loops (drafts accepted, a stop string inside an accepted
-# run): seed 1's weights at this size have them on the CPU backend (seeds 2 and 3 do not).
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -41,7 +38,9 @@ def llm(tiny_dir):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    arch = tiny_arch(**GPU_ARCH)
+    # The tests rely on the model's greedy loops (drafts accepted, a stop string inside an accepted
+    # run): seed 1's weights at this size have them on the CPU backend (seeds 2 and 3 do not).
+    arch = tiny_arch(**GPU_SIZES)
     root = tmp_path_factory.mktemp("tiny_gpu")
     write_safetensors_dir(root, arch, sharp_weights(arch, seed=1), tokenizer_json=tiny_tokenizer_json(),
                           chat_template=CHATML_TEMPLATE)
@@ -50,12 +49,9 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def unigram_dir(tmp_path_factory):
-    arch = tiny_arch(**GPU_ARCH)
+    arch = tiny_arch(**GPU_SIZES)
     root = tmp_path_factory.mktemp("tiny_gpu_unigram")
-    w = random_weights(arch, seed=5)
-    embed = w["model.embed_tokens.weight"]
-    w["model.embed_tokens.weight"] = embed[:1].expand_as(embed).clone()
-    write_safetensors_dir(root, arch, w, tokenizer_json=tiny_tokenizer_json())
+    write_safetensors_dir(root, arch, unigram_weights(arch, seed=5), tokenizer_json=tiny_tokenizer_json())
     return root
 
 

@@ -10,7 +10,8 @@ import functools
 import pytest
 
 from forge_service import LLM
-from tests.tiny_models import CHATML_TEMPLATE, random_weights, tiny_arch, tiny_tokenizer_json, write_safetensors_dir
+from tests.tiny_models import (CHATML_TEMPLATE, GPU_SIZES, random_weights, tiny_arch, tiny_tokenizer_json,
+                               write_safetensors_dir)
 from tests.unit import test_structured_engine as structured_tests
 
 pytestmark = pytest.mark.gpu
@@ -26,7 +27,7 @@ def on_the_gpu():
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    arch = tiny_arch(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)  # head_dim 64
+    arch = tiny_arch(**GPU_SIZES)
     root = tmp_path_factory.mktemp("tiny_gpu_structured")
     write_safetensors_dir(root, arch, random_weights(arch, seed=5), tokenizer_json=tiny_tokenizer_json(),
                           chat_template=CHATML_TEMPLATE)

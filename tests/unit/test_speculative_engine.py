@@ -15,7 +15,7 @@ from forge_service import LLM, SamplingParams
 from forge_service.errors import InvalidArgument
 from forge_service.runner import model_runner
 from forge_service.structured import Constraint
-from tests.tiny_models import random_weights, tiny_arch, tiny_tokenizer_json, write_safetensors_dir
+from tests.tiny_models import tiny_arch, tiny_tokenizer_json, unigram_weights, write_safetensors_dir
 from tests.unit.test_engine_tiny import tiny_dir  # noqa: F401 (a fixture: the sharp tiny model)
 
 # Prompts after which the tiny model's greedy output settles into loops: drafts get accepted.
@@ -175,10 +175,7 @@ def unigram_dir(tmp_path_factory):
     sampled pair is the product of two known distributions."""
     arch = tiny_arch()
     root = tmp_path_factory.mktemp("tiny_unigram")
-    w = random_weights(arch, seed=5)
-    embed = w["model.embed_tokens.weight"]
-    w["model.embed_tokens.weight"] = embed[:1].expand_as(embed).clone()
-    write_safetensors_dir(root, arch, w, tokenizer_json=tiny_tokenizer_json())
+    write_safetensors_dir(root, arch, unigram_weights(arch, seed=5), tokenizer_json=tiny_tokenizer_json())
     return root
 
 
