@@ -1,7 +1,15 @@
-"""Shared by the GPU kernel tests: dtype tolerances, NaN-poisoned device memory, comparisons."""
+"""Shared by the GPU kernel tests: dtype tolerances, NaN-poisoned device memory, comparisons, and
+CPU engine tests run with their engines on the GPU."""
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+from typing import Callable, Iterator
+
+import pytest
 import torch
+
+from forge_service import LLM
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -21,3 +29,17 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, scal
     assert not got.isnan().any(), "NaN in the output"
     tol = TOLERANCE[dtype] * scale
     torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=tol, rtol=tol)
+
+
+def engines_on(device: str, *modules: ModuleType) -> Callable[[], Iterator[None]]:
+    """A fixture for a module of GPU tests that reuses CPU engine tests (and their fixtures): while
+    it runs, each of `modules` builds its engines (its `LLM`) on `device`. Autouse and
+    module-scoped, it is set up before the module's other module-scoped fixtures, so the engines
+    those build are on `device` too."""
+    @pytest.fixture(autouse=True, scope="module")
+    def on_device() -> Iterator[None]:
+        with pytest.MonkeyPatch.context() as patch:
+            for module in modules:
+                patch.setattr(module, "LLM", functools.partial(LLM, device=device))
+            yield
+    return on_device

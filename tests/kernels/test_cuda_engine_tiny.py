@@ -9,31 +9,17 @@ structured output under chunked prefill, preemption and n, JSON schemas, stops a
 Each test is the CPU one, run with the engines it builds (its module's `LLM`) on the GPU."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-from forge_service import LLM
+from tests.kernels.helpers import engines_on
 from tests.tiny_models import GPU_SIZES, tiny_arch, tiny_tokenizer_json, unigram_weights, write_safetensors_dir
 from tests.unit import test_engine_tiny as tiny_tests
 from tests.unit import test_speculative_engine as engine_tests
-from tests.unit.test_engine_tiny import CHATML_TEMPLATE, sharp_weights
+from tests.unit.test_engine_tiny import CHATML_TEMPLATE, llm, sharp_weights  # noqa: F401 (llm: a fixture)
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def on_the_gpu():
-    with pytest.MonkeyPatch.context() as patch:
-        for module in (tiny_tests, engine_tests):
-            patch.setattr(module, "LLM", functools.partial(LLM, device=DEVICE))
-        yield
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_dir):
-    return LLM(model=str(tiny_dir), dtype="float32", max_num_batched_tokens=64, device=DEVICE)
+on_the_gpu = engines_on(DEVICE, tiny_tests, engine_tests)  # llm's engine among them
 
 
 @pytest.fixture(scope="module")

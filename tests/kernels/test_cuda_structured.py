@@ -5,24 +5,17 @@ unconstrained rows beside constrained ones, seeds, EOS and max_tokens. Each test
 run with the engines it builds on the GPU (the CUDA sampler applies the packed bitmask)."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-from forge_service import LLM
+from tests.kernels.helpers import engines_on
 from tests.tiny_models import (CHATML_TEMPLATE, GPU_SIZES, random_weights, tiny_arch, tiny_tokenizer_json,
                                write_safetensors_dir)
 from tests.unit import test_structured_engine as structured_tests
+from tests.unit.test_structured_engine import llm  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def on_the_gpu():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(structured_tests, "LLM", functools.partial(LLM, device=DEVICE))
-        yield
+on_the_gpu = engines_on(DEVICE, structured_tests)  # llm's engine among them
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +25,6 @@ def tiny_dir(tmp_path_factory):
     write_safetensors_dir(root, arch, random_weights(arch, seed=5), tokenizer_json=tiny_tokenizer_json(),
                           chat_template=CHATML_TEMPLATE)
     return root
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_dir):
-    return LLM(model=str(tiny_dir), dtype="float32", max_num_batched_tokens=64, device=DEVICE)
 
 
 def test_the_engines_are_on_the_gpu(tiny_dir, llm):
