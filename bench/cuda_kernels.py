@@ -75,11 +75,11 @@ def decode_rows(backend, batches: list[int], contexts: list[int], ceil) -> list[
             lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
             q = torch.randn(b, a.num_heads, a.head_dim, dtype=torch.bfloat16, device="cuda")
             out = torch.empty(b, a.num_heads * a.head_dim, dtype=torch.bfloat16, device="cuda")
-            splits = decode_attention.plan_splits(b, a.num_kv_heads, ctx, backend.num_sms)
+            parts = decode_attention.split_parts(ctx)[1]
             ms = time_ms(lambda: decode_attention.paged_decode(backend.kernels, out, q, cache, cache, tables, lens, bs,
-                                                               splits, a.head_dim ** -0.5))
+                                                               ctx, a.head_dim ** -0.5))
             kv_bytes = 2 * b * ctx * a.num_kv_heads * a.head_dim * 2
-            rows.append(row("decode attention", f"B={b} ctx={ctx} splits={splits}", ms, kv_bytes, ceil=ceil))
+            rows.append(row("decode attention", f"B={b} ctx={ctx} parts={parts}", ms, kv_bytes, ceil=ceil))
     return rows
 
 

@@ -1,8 +1,10 @@
 // Paged decode attention (one query token per sequence), GQA-aware, with a split-KV
 // (flash-decoding) path for long contexts and the kernel that reduces the splits.
 //
-// Grid (num_seqs, num_kv_heads, num_splits); NUM_WARPS warps per CTA. A CTA serves the GROUP
-// query heads that share one KV head, so every K/V row is read from memory once. Each key row
+// Grid (num_seqs, num_kv_heads, num_splits); NUM_WARPS warps per CTA, a CTA a part of a row's
+// context, cut by the row's length alone (so a row's result does not depend on its batch). A
+// CTA serves the GROUP query heads that share one KV head, so every K/V row is read from memory
+// once. Each key row
 // is split across LANES = HEAD_DIM / Vec lanes (one 16-byte load each), so a warp works on
 // 32 / LANES keys at once and UNROLL of those batches are loaded before any is used.
 // Scores live in the log2 domain: q is pre-scaled by softmax_scale * log2(e).
@@ -52,6 +54,14 @@ struct SoftmaxState {
     }
   }
 };
+
+// How a context of `len` positions is cut: parts of per_part positions (the last shorter),
+// per_part = max(min_part, ceil(len / max_parts)), so at most max_parts parts; at least one (an
+// empty row, a padding row of a graph, writes zeros).
+__device__ __forceinline__ void split_parts(int len, int min_part, int max_parts, int& per_part, int& parts) {
+  per_part = max(min_part, (len + max_parts - 1) / max_parts);
+  parts = max(1, (len + per_part - 1) / per_part);
+}
 
 template <typename T, int HEAD_DIM, int GROUP, int NUM_WARPS, int UNROLL>
 __device__ __forceinline__ void decode_split(
@@ -113,16 +123,17 @@ __device__ __forceinline__ void decode_split(
 
 // q: [num_seqs, H, HEAD_DIM] rows of stride q_stride; caches [slots, num_kv_heads, HEAD_DIM];
 // block_tables: [num_seqs, table_stride] int32; seq_lens: [num_seqs] int32 (0 = padding row).
-// With one split the result goes to out ([num_seqs, H * HEAD_DIM], row stride out_stride);
-// with several, each split writes its normalised partial output to part_out
-// [num_seqs, H, num_splits, HEAD_DIM] and its log2-sum-exp to part_lse [num_seqs, H, num_splits].
+// A row of one part writes its result to out ([num_seqs, H * HEAD_DIM], row stride out_stride);
+// a row of several has each part write its normalised partial output to part_out
+// [num_seqs, H, num_splits, HEAD_DIM] and its log2-sum-exp to part_lse [num_seqs, H, num_splits],
+// num_splits being the grid's (at least the longest row's parts).
 template <typename T, int HEAD_DIM, int GROUP, int NUM_WARPS, int UNROLL>
 __global__ void __launch_bounds__(NUM_WARPS * 32)
 paged_decode_kernel(T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_lse,
                     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, int table_stride,
                     int block_size, int num_kv_heads, long long q_stride, long long out_stride,
-                    int min_split, float scale_log2) {
+                    int min_part, int max_parts, float scale_log2) {
   using S = DecodeShape<T, HEAD_DIM, GROUP>;
   constexpr int kV = S::kVec;
   __shared__ float sm_m[NUM_WARPS][GROUP], sm_l[NUM_WARPS][GROUP];
@@ -132,12 +143,15 @@ paged_decode_kernel(T* __restrict__ out, float* __restrict__ part_out, float* __
   const int num_heads = num_kv_heads * GROUP;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int dim = (lane % S::kLanes) * kV;
-  // Each sequence's own context is cut into num_splits even parts (of at least min_split
-  // positions), so one static grid serves any lengths: what a captured graph needs.
+  // A row's context is cut into parts by its own length alone (split_parts), never by the grid
+  // or the other rows, so a row gets the same bits in any batch; the grid's splits only cover
+  // the longest row's parts, and a row's splits past its parts have nothing to do.
   const int len = seq_lens[seq];
-  const int per_split = max(min_split, (len + num_splits - 1) / num_splits);
-  const int start = min(len, split * per_split);
-  const int end = min(len, start + per_split);
+  int per_part, parts;
+  split_parts(len, min_part, max_parts, per_part, parts);
+  if (split >= parts) return;  // the whole CTA, before any barrier
+  const int start = split * per_part;
+  const int end = min(len, start + per_part);
 
   float qr[GROUP][kV];
 #pragma unroll
@@ -179,7 +193,7 @@ paged_decode_kernel(T* __restrict__ out, float* __restrict__ part_out, float* __
     }
     const float value = l > 0.f ? o / l : 0.f;
     const int head = kv_head * GROUP + h;
-    if (num_splits == 1) {
+    if (parts == 1) {
       out[seq * out_stride + head * HEAD_DIM + d] = from_float<T>(value);
     } else {
       const long long row = ((long long)seq * num_heads + head) * num_splits + split;
@@ -189,18 +203,23 @@ paged_decode_kernel(T* __restrict__ out, float* __restrict__ part_out, float* __
   }
 }
 
-// Combines the splits: out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M). grid (num_seqs, H).
+// Combines a row's parts, in order: out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M).
+// grid (num_seqs, H). A row of one part was written whole by the decode kernel.
 template <typename T, int BLOCK>
 __global__ void __launch_bounds__(BLOCK)
 reduce_splits_kernel(T* __restrict__ out, const float* __restrict__ part_out, const float* __restrict__ part_lse,
-                     int num_splits, int head_dim, long long out_stride) {
+                     const int* __restrict__ seq_lens, int num_splits, int min_part, int max_parts, int head_dim,
+                     long long out_stride) {
   const int seq = blockIdx.x, head = blockIdx.y, num_heads = gridDim.y;
+  int per_part, parts;
+  split_parts(seq_lens[seq], min_part, max_parts, per_part, parts);
+  if (parts == 1) return;
   const long long row = ((long long)seq * num_heads + head) * num_splits;
   float m = neg_inf();
-  for (int s = 0; s < num_splits; ++s) m = fmaxf(m, part_lse[row + s]);
+  for (int s = 0; s < parts; ++s) m = fmaxf(m, part_lse[row + s]);
   for (int d = threadIdx.x; d < head_dim; d += BLOCK) {
     float num = 0.f, den = 0.f;
-    for (int s = 0; s < num_splits; ++s) {
+    for (int s = 0; s < parts; ++s) {
       const float w = rescale(part_lse[row + s], m);
       num += w * part_out[(row + s) * head_dim + d];
       den += w;

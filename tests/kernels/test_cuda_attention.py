@@ -14,6 +14,7 @@ import torch
 from forge_service.backends.base import AttentionMetadata, PrefillSeq
 from forge_service.backends.cpu import CpuBackend
 from forge_service.backends.cuda import decode_attention
+from forge_service.backends.cuda.metadata import ModelShape, prepare
 from tests.kernels.helpers import assert_close, poison_allocator
 
 pytestmark = pytest.mark.gpu
@@ -80,15 +81,38 @@ def test_decode_matches_cpu(cuda_backend, dtype, heads, kv_heads, head_dim):
     meta = decode_meta(cache, DECODE_LENS)
     scale = head_dim ** -0.5
     want = reference(cache, q, meta, scale)
-    from forge_service.backends.cuda.metadata import ModelShape, prepare
-
-    cmeta = prepare(meta, ModelShape(kv_heads, heads // kv_heads, dtype, cuda_backend.num_sms), cuda_backend.device)
-    for splits in sorted({1, 2, 7, 32, cmeta.num_splits}):
+    cmeta = prepare(meta, ModelShape(kv_heads, heads // kv_heads, dtype), cuda_backend.device)
+    # The 1000-token row in 1, 7 and 32 parts (of 1024, 143 and 32 positions), and as served.
+    cuts = {(1024, 32), (16, 7), (16, 32), (decode_attention.MIN_PART, decode_attention.MAX_PARTS)}
+    for min_part, max_parts in sorted(cuts):
         poison_allocator()
         out = torch.full((len(DECODE_LENS), heads * head_dim), float("nan"), dtype=dtype, device="cuda")
         decode_attention.paged_decode(cuda_backend.kernels, out, q.cuda(), cache.k, cache.v, cmeta.decode_tables,
-                                      cmeta.decode_lens, BS, splits, scale)
+                                      cmeta.decode_lens, BS, cmeta.decode_max_len, scale, min_part=min_part,
+                                      max_parts=max_parts)
         assert_close(out, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_decode_row_has_the_same_bits_alone_and_in_any_batch(cuda_backend, dtype):
+    """Where a row's context is cut into parts depends on its own length only: alone, or beside
+    more and longer rows (a larger grid), it gets the same bits. Greedy determinism on the GPU
+    rests on it: a request's tokens must not depend on what else the server runs."""
+    heads, kv_heads, head_dim = 32, 8, 128
+    lens = [*DECODE_LENS, 5000, 2500]
+    cache = build_cache(lens, kv_heads, head_dim, dtype, seed=7)
+    q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(3)).to(dtype).cuda()
+    meta = prepare(decode_meta(cache, lens), ModelShape(kv_heads, heads // kv_heads, dtype), cuda_backend.device)
+    together = torch.empty(len(lens), heads * head_dim, dtype=dtype, device="cuda")
+    decode_attention.paged_decode(cuda_backend.kernels, together, q, cache.k, cache.v, meta.decode_tables,
+                                  meta.decode_lens, BS, meta.decode_max_len, head_dim ** -0.5)
+    for i, n in enumerate(lens):
+        table = torch.tensor([cache.tables[i]], dtype=torch.int32, device="cuda")
+        for max_len in (table.shape[1] * BS, 32_768):  # its own grid, and the grid of a graph's longest context
+            alone = torch.empty(1, heads * head_dim, dtype=dtype, device="cuda")
+            decode_attention.paged_decode(cuda_backend.kernels, alone, q[i:i + 1], cache.k, cache.v, table,
+                                          meta.decode_lens[i:i + 1], BS, max_len, head_dim ** -0.5)
+            assert torch.equal(alone[0], together[i]), f"row {i} ({n} positions), grid for {max_len}"
 
 
 def test_decode_padding_rows_are_zero(cuda_backend):
@@ -96,9 +120,10 @@ def test_decode_padding_rows_are_zero(cuda_backend):
     q = torch.randn(3, 8, 128, dtype=torch.bfloat16, device="cuda")
     tables = torch.tensor([cache.tables[0] + [0, 0], cache.tables[1], [0, 0, 0]], dtype=torch.int32, device="cuda")
     lens = torch.tensor([5, 40, 0], dtype=torch.int32, device="cuda")
-    for splits in (1, 4):
+    for min_part in (64, 8):  # the 40-token row whole, and in 5 parts
         out = torch.full((3, 8 * 128), float("nan"), dtype=torch.bfloat16, device="cuda")
-        decode_attention.paged_decode(cuda_backend.kernels, out, q, cache.k, cache.v, tables, lens, BS, splits, 0.1)
+        decode_attention.paged_decode(cuda_backend.kernels, out, q, cache.k, cache.v, tables, lens, BS, 3 * BS, 0.1,
+                                      min_part=min_part)
         assert not out.isnan().any()
         assert (out[2] == 0).all()
 
@@ -129,15 +154,13 @@ def mixed_batch(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
 def test_mixed_decode_and_prefill_batch_matches_cpu(cuda_backend, dtype, heads, kv_heads, head_dim):
     if head_dim not in decode_attention.HEAD_DIMS[dtype]:
         pytest.skip(f"no {dtype} decode kernel for head_dim {head_dim}")
-    from forge_service.backends.cuda.metadata import ModelShape, prepare
-
     cache, meta, q = mixed_batch(heads, kv_heads, head_dim, dtype)
     scale = head_dim ** -0.5
     # The chunks' own K/V: the CPU reference reads them from k, v when a chunk starts at 0.
     k = cache.k_ref[meta.slot_mapping].float()
     v = cache.v_ref[meta.slot_mapping].float()
     want = CpuBackend.attention(q.float(), k, v, cache.k_ref.float(), cache.v_ref.float(), meta, scale)
-    cmeta = prepare(meta, ModelShape(kv_heads, heads // kv_heads, dtype, cuda_backend.num_sms), cuda_backend.device)
+    cmeta = prepare(meta, ModelShape(kv_heads, heads // kv_heads, dtype), cuda_backend.device)
     poison_allocator()
     got = cuda_backend.attention(q.cuda(), k.to(dtype).cuda(), v.to(dtype).cuda(), cache.k, cache.v, cmeta, scale)
     # P is rounded to the 16-bit dtype before P @ V on tensor cores, as flash attention does.
@@ -146,8 +169,6 @@ def test_mixed_decode_and_prefill_batch_matches_cpu(cuda_backend, dtype, heads, 
 
 def test_prefill_tiles_cover_every_row(cuda_backend):
     """A long chunk whose length is no multiple of the tile (64 // 3 = 21 tokens per tile)."""
-    from forge_service.backends.cuda.metadata import ModelShape, prepare
-
     heads, kv_heads, head_dim, n = 9, 3, 64, 21 * 5 + 4
     cache = build_cache([n], kv_heads, head_dim, torch.bfloat16, seed=9)
     meta = AttentionMetadata(slot_mapping=slots(cache.tables[0], n), block_size=BS, num_decode_tokens=0,
@@ -155,7 +176,7 @@ def test_prefill_tiles_cover_every_row(cuda_backend):
     q = torch.randn(n, heads, head_dim, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     k, v = cache.k_ref[meta.slot_mapping].float(), cache.v_ref[meta.slot_mapping].float()
     want = CpuBackend.attention(q.float(), k, v, cache.k_ref.float(), cache.v_ref.float(), meta, 0.125)
-    cmeta = prepare(meta, ModelShape(kv_heads, 3, torch.bfloat16, cuda_backend.num_sms), cuda_backend.device)
+    cmeta = prepare(meta, ModelShape(kv_heads, 3, torch.bfloat16), cuda_backend.device)
     poison_allocator()
     got = cuda_backend.attention(q.cuda(), None, None, cache.k, cache.v, cmeta, 0.125)
     assert_close(got, want, torch.bfloat16, scale=2.0)

@@ -25,7 +25,7 @@ class CheckingBackend(CpuBackend):
 
     @classmethod
     def prepare(cls, meta: AttentionMetadata) -> AttentionMetadata:
-        shape = ModelShape(num_kv_heads=2, group=GROUP, dtype=torch.bfloat16, num_sms=4)
+        shape = ModelShape(num_kv_heads=2, group=GROUP, dtype=torch.bfloat16)
         check(meta, prepare(meta, shape, torch.device("cpu")))
         cls.steps.append(f"{meta.num_decode_tokens} decodes, {len(meta.prefills)} chunks")
         return meta

@@ -9,7 +9,7 @@ import torch
 
 from forge_service.backends import create_backend
 from forge_service.backends.cpu import CpuBackend
-from forge_service.backends.cuda.decode_attention import plan_splits
+from forge_service.backends.cuda.decode_attention import MAX_PARTS, MIN_PART, grid_parts, split_parts
 from forge_service.errors import DeviceUnavailable, InvalidArgument
 from tests.gpu import gpu_unavailable_reason
 
@@ -54,8 +54,15 @@ def test_generate_with_device_cuda_fails_cleanly_without_a_gpu():
     assert result.stderr.startswith("error:") and "cuda" in result.stderr.lower()
 
 
-def test_split_plan_fills_the_gpu_only_when_needed():
-    assert plan_splits(256, 8, 4096, 132) == 1  # 2048 CTAs already
-    one = plan_splits(1, 8, 131072, 132)
-    assert 8 * one >= 132 and one == 32  # batch 1: as many splits as allowed
-    assert plan_splits(1, 8, 16, 132) == 1  # too short to split
+def test_decode_attention_cuts_a_row_by_its_own_length():
+    for n in [0, 1, 255, 256, 257, 1000, 8192, 8193, 16384, 131072, 131073]:
+        per_part, parts = split_parts(n)
+        assert 1 <= parts <= MAX_PARTS and per_part >= MIN_PART
+        assert (parts - 1) * per_part < max(n, 1) <= parts * per_part  # no empty part, none missing
+    assert split_parts(200) == (MIN_PART, 1)  # short: one CTA per KV head, no reduction
+    assert split_parts(131072) == (4096, MAX_PARTS)
+    # The parts dimension sized for max_len holds every row up to it, whatever the batch.
+    most = 0
+    for n in range(0, 3 * MIN_PART * MAX_PARTS, 5):
+        most = max(most, split_parts(n)[1])
+        assert grid_parts(n) == max(most, 1)

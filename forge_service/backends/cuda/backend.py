@@ -37,7 +37,6 @@ class CudaBackend:
         self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
         torch.cuda.set_device(self.device)
         self.kernels = Kernels(self.device)
-        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.gemm = GemmTuner(self.device)
         self.graphs: DecodeGraphs | None = None
         self.shape: ModelShape | None = None  # set by startup()
@@ -67,7 +66,7 @@ class CudaBackend:
         d = meta.num_decode_tokens
         if d:
             decode_attention.paged_decode(self.kernels, out[:d], q[:d], k_cache, v_cache, meta.decode_tables,
-                                          meta.decode_lens, meta.block_size, meta.num_splits, scale)
+                                          meta.decode_lens, meta.block_size, meta.decode_max_len, scale)
         if meta.prefill is not None:
             prefill_attention.paged_prefill(self.kernels, out, q, k_cache, v_cache, meta.prefill, meta.block_size,
                                             scale)
@@ -114,11 +113,10 @@ class CudaBackend:
         """Record the model's shape, then capture decode graphs for `forward(ids, positions, meta,
         logit_rows)`, the model bound to its KV cache (max_batch 0: no graphs)."""
         decode_attention.check_shape(dtype, arch.num_heads, arch.num_kv_heads, arch.head_dim)
-        self.shape = ModelShape(arch.num_kv_heads, arch.num_heads // arch.num_kv_heads, dtype, self.num_sms)
+        self.shape = ModelShape(arch.num_kv_heads, arch.num_heads // arch.num_kv_heads, dtype)
         if max_batch <= 0:
             return
-        self.graphs = DecodeGraphs(forward, self.device, block_size, max_batch, max_len, arch.num_kv_heads,
-                                   self.num_sms)
+        self.graphs = DecodeGraphs(forward, self.device, block_size, max_batch, max_len)
         with torch.inference_mode():
             self.graphs.capture(capture_sizes(max_batch))
 

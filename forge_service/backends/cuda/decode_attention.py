@@ -11,19 +11,27 @@ SOURCE = "decode_attention.cu"
 NUM_WARPS = 4
 REDUCE_BLOCK = 128
 MAX_GROUP = 8
-MIN_TOKENS_PER_SPLIT = 16
-MAX_SPLITS = 32
+MIN_PART = 256  # positions of a part of a row's context, at least (one CTA's pass)
+MAX_PARTS = 32  # parts of one row, at most
 HEAD_DIMS = {torch.float32: (64, 128), torch.float16: (64, 128, 256), torch.bfloat16: (64, 128, 256)}
 
 
-def plan_splits(num_seqs: int, num_kv_heads: int, max_len: int, num_sms: int) -> int:
-    """CTAs per (sequence, KV head). Split only when one each would leave SMs idle: aim for two
-    CTAs per SM. The kernel cuts each sequence's own length into that many parts, so the count
-    may be fixed for a captured graph (by its rows and the longest context allowed)."""
-    ctas = max(1, num_seqs * num_kv_heads)
-    if ctas >= num_sms:
-        return 1
-    return max(1, min(math.ceil(2 * num_sms / ctas), math.ceil(max_len / MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
+def split_parts(length: int, min_part: int = MIN_PART, max_parts: int = MAX_PARTS) -> tuple[int, int]:
+    """How the kernel cuts a context of `length` positions (split_parts in decode_attention.cu):
+    (positions per part, parts), per part max(min_part, ceil(length / max_parts)). Each part is one
+    CTA's pass and the parts are combined in order, so a row's bits depend on its own length alone,
+    never on the batch it runs in (greedy determinism)."""
+    per_part = max(min_part, -(-length // max_parts))
+    return per_part, max(1, -(-length // per_part))
+
+
+def grid_parts(max_len: int, min_part: int = MIN_PART, max_parts: int = MAX_PARTS) -> int:
+    """Split CTAs per (row, KV head) for rows of up to `max_len` positions: the most parts of any of
+    them, min(max_parts, ceil(max_len / min_part)); a row's CTAs past its own parts return at once.
+    Fixed by max_len alone, so a captured graph serves any lengths up to it. (Past min_part x
+    max_parts positions a length may have fewer parts than a shorter one where min_part <
+    max_parts: hence not max_len's own count.)"""
+    return max(1, min(max_parts, -(-max_len // min_part)))
 
 
 def decode_name(dtype: torch.dtype, head_dim: int, group: int) -> str:
@@ -51,10 +59,10 @@ def check_shape(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim:
 
 
 def paged_decode(kernels: Kernels, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_splits: int,
-                 scale: float) -> None:
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, max_len: int, scale: float, *,
+                 min_part: int = MIN_PART, max_parts: int = MAX_PARTS) -> None:
     """out: [D, H * hd] rows; q: [D, H, hd]; caches: [S, Hkv, hd]; block_tables: [D, W] int32;
-    seq_lens: [D] int32 (0 for padding rows, whose output is zeros)."""
+    seq_lens: [D] int32 (0 for padding rows, whose output is zeros), none above max_len."""
     d, h, hd = q.shape
     hkv = k_cache.shape[1]
     check_shape(q.dtype, h, hkv, hd)
@@ -67,14 +75,17 @@ def paged_decode(kernels: Kernels, out: torch.Tensor, q: torch.Tensor, k_cache: 
     check_tensor(block_tables, "block_tables", (torch.int32,), 2, aligned=False)
     check_tensor(seq_lens, "seq_lens", (torch.int32,), 1, aligned=False)
     require(block_tables.shape[0] == d and seq_lens.shape == (d,), "one block table and length per row")
+    require(min_part > 0 and max_parts > 0, "min_part and max_parts must be positive")
     group = h // hkv
+    num_splits = grid_parts(max_len, min_part, max_parts)
     split = num_splits > 1
     part_out = torch.empty(d, h, num_splits, hd, dtype=torch.float32, device=q.device) if split else out
     part_lse = torch.empty(d, h, num_splits, dtype=torch.float32, device=q.device) if split else out
     kernels.get(SOURCE, decode_name(q.dtype, hd, group))((d, hkv, num_splits), NUM_WARPS * 32, [
         ptr(out), ptr(part_out), ptr(part_lse), ptr(q), ptr(k_cache), ptr(v_cache), ptr(block_tables), ptr(seq_lens),
         i32(block_tables.stride(0)), i32(block_size), i32(hkv), i64(q.stride(0)), i64(out.stride(0)),
-        i32(MIN_TOKENS_PER_SPLIT), f32(scale * math.log2(math.e))])
+        i32(min_part), i32(max_parts), f32(scale * math.log2(math.e))])
     if split:
         kernels.get(SOURCE, reduce_name(q.dtype))((d, h), REDUCE_BLOCK, [
-            ptr(out), ptr(part_out), ptr(part_lse), i32(num_splits), i32(hd), i64(out.stride(0))])
+            ptr(out), ptr(part_out), ptr(part_lse), ptr(seq_lens), i32(num_splits), i32(min_part), i32(max_parts),
+            i32(hd), i64(out.stride(0))])

@@ -1,8 +1,9 @@
 """CUDA graphs of the model's decode step, one per padded batch size, replayed for decode-only steps.
 
 A graph reads its inputs from static buffers: token ids, positions, slots (-1 for padding rows:
-no K/V write), block tables and context lengths (0 for padding rows: no attention). The split
-count of decode attention is fixed per graph; the kernel divides each row's actual length by it.
+no K/V write), block tables and context lengths (0 for padding rows: no attention). Decode
+attention's grid is fixed by the longest context allowed; the kernel cuts each row's context by
+that row's own length (decode_attention.split_parts).
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from typing import Callable
 
 import torch
 
-from forge_service.backends.cuda.decode_attention import plan_splits
 from forge_service.backends.cuda.metadata import CudaAttentionMetadata
 
 log = logging.getLogger("forge.cuda.graphs")
@@ -36,11 +36,10 @@ class _Graph:
 class DecodeGraphs:
     """Static input buffers and one captured forward per padded batch size."""
 
-    def __init__(self, forward: Forward, device: torch.device, block_size: int, max_batch: int, max_len: int,
-                 num_kv_heads: int, num_sms: int) -> None:
+    def __init__(self, forward: Forward, device: torch.device, block_size: int, max_batch: int,
+                 max_len: int) -> None:
         self.forward = forward
         self.block_size = block_size
-        self.num_kv_heads, self.num_sms = num_kv_heads, num_sms
         width = -(-max_len // block_size)
         self.max_len = width * block_size
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
@@ -92,4 +91,4 @@ class DecodeGraphs:
         return CudaAttentionMetadata(
             slot_mapping=self.slots[:b], block_size=self.block_size, num_decode_tokens=b,
             decode_tables=self.tables[:b], decode_lens=self.lens[:b],
-            num_splits=plan_splits(b, self.num_kv_heads, self.max_len, self.num_sms))
+            decode_max_len=self.max_len)

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 import torch
 
 from forge_service.backends.base import AttentionMetadata, PrefillSeq
-from forge_service.backends.cuda.decode_attention import plan_splits
 from forge_service.backends.cuda.prefill_attention import PrefillBatch, build_tiles
 
 
@@ -19,7 +18,7 @@ class CudaAttentionMetadata:
     num_decode_tokens: int  # rows [0, D) are decodes
     decode_tables: torch.Tensor | None = None  # [D, W] int32
     decode_lens: torch.Tensor | None = None  # [D] int32 context length (0 for padding rows)
-    num_splits: int = 1  # split-KV CTAs per (decode row, KV head)
+    decode_max_len: int = 0  # no decode row's context is longer (the tables' width in positions)
     prefill: PrefillBatch | None = None  # 16-bit dtypes: chunks for the prefill kernel
     # float32: chunks attended with torch SDPA (the CPU reference's code, on the GPU).
     torch_prefills: list[PrefillSeq] = field(default_factory=list)
@@ -32,7 +31,6 @@ class ModelShape:
     num_kv_heads: int
     group: int  # query heads per KV head
     dtype: torch.dtype
-    num_sms: int
 
 
 def prepare(meta: AttentionMetadata, shape: ModelShape, device: torch.device) -> CudaAttentionMetadata:
@@ -45,7 +43,7 @@ def prepare(meta: AttentionMetadata, shape: ModelShape, device: torch.device) ->
         tables = meta.decode_block_tables
         out.decode_tables = _to(tables, device, torch.int32)
         out.decode_lens = _to(meta.decode_lens, device, torch.int32)
-        out.num_splits = plan_splits(d, shape.num_kv_heads, tables.shape[1] * meta.block_size, shape.num_sms)
+        out.decode_max_len = tables.shape[1] * meta.block_size
     if not meta.prefills:
         return out
     if shape.dtype == torch.float32:
