@@ -7,6 +7,7 @@ that row's own length (decode_attention.split_parts).
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -54,14 +55,24 @@ class DecodeGraphs:
         """Capture every size (largest first, so smaller graphs reuse its memory); returns seconds."""
         started = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for b in sorted(sizes, reverse=True):
-            meta = self._meta(b)
-            self.forward(self.input_ids[:b], self.positions[:b], meta, self.rows[:b])  # warm-up: compiles, tunes
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.forward(self.input_ids[:b], self.positions[:b], meta, self.rows[:b])
-            self.graphs[b] = _Graph(graph, logits)
+        # Python's cyclic collector must not run during a capture: collecting an engine that went
+        # out of use destroys its graphs, an operation a capturing stream refuses, and the capture
+        # fails (seen with a second engine built in one process). Collect now, then hold it off.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for b in sorted(sizes, reverse=True):
+                meta = self._meta(b)
+                self.forward(self.input_ids[:b], self.positions[:b], meta, self.rows[:b])  # warm-up: compiles, tunes
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.forward(self.input_ids[:b], self.positions[:b], meta, self.rows[:b])
+                self.graphs[b] = _Graph(graph, logits)
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started
         log.info("captured %d decode graphs (batch %s) in %.1f s", len(sizes), sizes, seconds)
