@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from forge_gateway.tools import MessageToolCall, ToolChoice, ToolDef
 
@@ -32,10 +32,25 @@ class ChatMessage(BaseModel):
     model_config = _CONFIG
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    # Required (validated even when left out) except in an assistant message that calls tools.
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant
     tool_call_id: str | None = None  # tool
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, content: str | list[TextPart] | None, info: ValidationInfo) -> str | list[TextPart] | None:
+        role = info.data.get("role")
+        if content is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message needs content")
+        return content
+
+    @model_validator(mode="after")
+    def _assistant_says_something(self) -> ChatMessage:
+        if self.role == "assistant" and self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
