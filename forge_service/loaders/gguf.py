@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as QType
 from forge_service.backends.base import Int4Weight, Int8Weight
 from forge_service.errors import ModelLoadError
 from forge_service.loaders.common import ROPE_FREQ_FACTORS, Checkpoint, check_arch, check_tensors
+from forge_service.loaders.gguf_file import GGUFFile, Tensor, read_gguf
 from forge_service.loaders.gguf_int4 import INT4_TYPES, int4_weight
 from forge_service.loaders.gguf_int8 import INT8_TYPES, int8_weight
 from forge_service.models.arch import ArchConfig
@@ -47,21 +48,21 @@ _ROPE_SCALING_KEYS = {
 }
 
 
-def _float_copy(t: gguf.ReaderTensor) -> torch.Tensor:
+def _float_copy(t: Tensor) -> torch.Tensor:
     return torch.from_numpy(np.array(t.data))  # F32/F16: the reader already typed and shaped it
 
 
-def _bf16(t: gguf.ReaderTensor) -> torch.Tensor:
+def _bf16(t: Tensor) -> torch.Tensor:
     # The reader hands BF16 over as raw bytes [rows, 2 * cols]; numpy has no bfloat16.
     return torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16)
 
 
-def _dequantize(t: gguf.ReaderTensor) -> torch.Tensor:
+def _dequantize(t: Tensor) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
 
 
 # Tensor encodings we decode, each to a float tensor in HF shape.
-DECODERS: dict[QType, Callable[[gguf.ReaderTensor], torch.Tensor]] = {
+DECODERS: dict[QType, Callable[[Tensor], torch.Tensor]] = {
     QType.F32: _float_copy,
     QType.F16: _float_copy,
     QType.BF16: _bf16,
@@ -69,28 +70,8 @@ DECODERS: dict[QType, Callable[[gguf.ReaderTensor], torch.Tensor]] = {
 }
 
 
-class _Reader(gguf.GGUFReader):
-    """GGUFReader with two changes: a plain ndarray view of the file (np.memmap slicing made
-    parsing the 49k-token vocabulary ~2x slower), and reads past the end of the file raise
-    instead of returning short arrays (a corrupt array length could otherwise loop for ever)."""
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._plain
-
-    @data.setter
-    def data(self, mapped: np.ndarray) -> None:
-        self._plain = mapped.view(np.ndarray)  # still backed by the mmap
-
-    def _get(self, offset: int, dtype: Any, count: int = 1, *args: Any, **kwargs: Any) -> np.ndarray:
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
-        if count < 0 or end > self._plain.size:
-            raise ValueError(f"truncated: the file has {self._plain.size} bytes, data runs to byte {end}")
-        return super()._get(offset, dtype, count, *args, **kwargs)
-
-
 def load_gguf(path: str, dtype: torch.dtype) -> Checkpoint:
-    reader = open_gguf(path)
+    reader = read_gguf(path)
     arch = check_arch(path, arch_from_gguf(path, reader))
     tensors = {_hf_name(path, t.name): t for t in reader.tensors}
     check_tensors(path, arch, {n: tuple(reversed(t.shape.tolist())) for n, t in tensors.items()},
@@ -106,17 +87,7 @@ def load_gguf(path: str, dtype: torch.dtype) -> Checkpoint:
     return Checkpoint(path=path, format="gguf", arch=arch, weights=weights, int4=int4, int8=int8)
 
 
-def open_gguf(path: str) -> gguf.GGUFReader:
-    """A GGUFReader for `path` (faster, and bounds-checked); any parse failure is a ModelLoadError.
-    The tokenizer can use it to read the vocabulary from the same file."""
-    try:
-        return _Reader(path)
-    except (ValueError, IndexError, KeyError, OverflowError, OSError) as e:
-        # UnicodeDecodeError is a ValueError; bad magic, versions and enum values are too.
-        raise ModelLoadError(path, f"not a readable GGUF file: {e}") from e
-
-
-def arch_from_gguf(path: str, reader: gguf.GGUFReader) -> ArchConfig:
+def arch_from_gguf(path: str, reader: GGUFFile) -> ArchConfig:
     """The ArchConfig described by a GGUF's `general.architecture` and `{arch}.*` metadata."""
     meta = _Metadata(path, reader)
     name = meta.get("general.architecture")
@@ -154,7 +125,7 @@ class _Metadata:
 
     _REQUIRED = object()
 
-    def __init__(self, path: str, reader: gguf.GGUFReader) -> None:
+    def __init__(self, path: str, reader: GGUFFile) -> None:
         self.path, self.fields = path, reader.fields
 
     def get(self, key: str, default: Any = _REQUIRED) -> Any:
@@ -172,11 +143,11 @@ class _Metadata:
         return value
 
 
-def _vocab_length(path: str, reader: gguf.GGUFReader) -> int:
+def _vocab_length(path: str, reader: GGUFFile) -> int:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise ModelLoadError(path, "no vocab_size: neither {arch}.vocab_size nor tokenizer.ggml.tokens is present")
-    return len(tokens.data)
+    return len(tokens.value)
 
 
 def _rope_scaling(meta: _Metadata, a: str) -> dict[str, Any] | None:
@@ -225,13 +196,13 @@ def _check_types(path: str, tensors: Any) -> None:
             raise ModelLoadError(path, f"tensor {t.name} has type {t.tensor_type.name}; supported: {supported}")
 
 
-def _check_rope_freqs(path: str, arch: ArchConfig, tensors: dict[str, gguf.ReaderTensor]) -> None:
+def _check_rope_freqs(path: str, arch: ArchConfig, tensors: dict[str, Tensor]) -> None:
     t = tensors.get(ROPE_FREQ_FACTORS)
     if t is not None and t.shape.tolist() != [arch.head_dim // 2]:
         raise ModelLoadError(path, f"tensor {t.name} has shape {t.shape.tolist()}, expected [{arch.head_dim // 2}]")
 
 
-def _decode(t: gguf.ReaderTensor, name: str, arch: ArchConfig, dtype: torch.dtype) -> torch.Tensor:
+def _decode(t: Tensor, name: str, arch: ArchConfig, dtype: torch.dtype) -> torch.Tensor:
     w = DECODERS[t.tensor_type](t)  # [out, in] or [n]
     if name == ROPE_FREQ_FACTORS:
         return w.float().contiguous()
@@ -242,7 +213,7 @@ def _decode(t: gguf.ReaderTensor, name: str, arch: ArchConfig, dtype: torch.dtyp
     return w.to(dtype).contiguous()
 
 
-def _codes(read: Callable[[np.ndarray, QType, int, int], Int4Weight | Int8Weight], t: gguf.ReaderTensor, name: str,
+def _codes(read: Callable[[np.ndarray, QType, int, int], Int4Weight | Int8Weight], t: Tensor, name: str,
            arch: ArchConfig) -> Int4Weight | Int8Weight:
     """A projection's quantised codes, read by `read`, in HF row order."""
     rows, cols = reversed(t.shape.tolist())

@@ -16,6 +16,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, p
 from tokenizers.models import BPE
 
 from forge_service.errors import ModelLoadError
+from forge_service.loaders.gguf_file import read_gguf
 
 log = logging.getLogger(__name__)
 K = gguf.Keys.Tokenizer
@@ -95,11 +96,7 @@ _SPECIAL_ID_KEYS = {"bos": K.BOS_ID, "eos": K.EOS_ID, "unk": K.UNK_ID, "pad": K.
 
 def read_gguf_vocab(path: str) -> GGUFVocab:
     """Read the `tokenizer.*` metadata of a GGUF file."""
-    try:
-        reader = gguf.GGUFReader(path, "r")
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(path, f"not a readable GGUF file ({e})") from e
-    meta = {name: f.contents() for name, f in reader.fields.items() if name.startswith("tokenizer.")}
+    meta = {name: f.contents() for name, f in read_gguf(path).fields.items() if name.startswith("tokenizer.")}
     if K.MODEL not in meta or K.LIST not in meta:
         raise ModelLoadError(path, "the GGUF file has no tokenizer vocabulary (tokenizer.ggml.model/tokens)")
     tokens = meta[K.LIST]
