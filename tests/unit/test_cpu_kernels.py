@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forge_service.backends import cpu_kernels
+from forge_service.backends import base, cpu_kernels
 from forge_service.backends.base import Int8Weight
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None,
@@ -320,3 +320,13 @@ def test_a_query_gets_the_same_bits_in_a_prefill_chunk_as_in_a_decode_step(conte
     tail = torch.empty(5, heads, hd, dtype=torch.bfloat16)
     cpu_kernels.prefill_attention(q[-5:], k_cache, v_cache, slots, hd ** -0.5, tail)
     assert torch.equal(tail, prefill[-5:])
+
+
+def test_int8_quantisation_in_runs_of_rows_equals_it_in_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    weight = (torch.randn(1000, 96) * torch.rand(1000, 1) * 4).to(torch.bfloat16)
+    weight[7, :32] = 0  # a zero group: scale 0, codes 0
+    whole = Int8Weight.quantize(weight)
+    monkeypatch.setattr(base, "QUANTIZE_ROWS", 96)  # 11 runs, the last short
+    runs = Int8Weight.quantize(weight)
+    assert torch.equal(runs.codes, whole.codes) and torch.equal(runs.scale, whole.scale)
+    assert (whole.scale[7, 0], whole.codes[7, :32].abs().max()) == (0, 0)

@@ -16,6 +16,7 @@ from forge_service.backends.cpu_linear import INT4_MAX_ROWS, INT8_MAX_ROWS
 from forge_service.layers.linear import Linear
 from forge_service.llm import LLM
 from forge_service.loaders import Checkpoint, load_checkpoint
+from forge_service.loaders import gguf as gguf_loader
 from forge_service.engine.request import SamplingParams
 from tests.tiny_models import random_weights, tiny_arch, write_gguf
 
@@ -183,3 +184,32 @@ def test_a_projection_fused_from_mixed_quantisations_runs_on_int8_codes(tmp_path
         assert layer.gate_up.packed.native.bits == 4
         want = torch.cat([reference[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"])
         assert (cpu_kernels.dequantize(layer.qkv.packed.native) - want).abs().max() <= want.abs().max() / 127
+
+
+def test_a_lazy_checkpoint_leaves_coded_projections_to_decode_on_demand(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "m.gguf", ARCH, WEIGHTS, qtype="Q4_1")
+    eager, lazy = load_checkpoint(path, torch.bfloat16), load_checkpoint(path, torch.bfloat16, lazy_coded=True)
+    assert set(lazy.decoders) == set(lazy.int4) and len(lazy.decoders) == 7 * ARCH.num_layers
+    for name, weight in eager.weights.items():
+        got = lazy.weights[name]
+        assert (got.shape, got.dtype) == (weight.shape, weight.dtype)
+        assert got.is_meta == (name in lazy.decoders)
+        assert torch.equal(lazy.decoders[name]() if got.is_meta else got, weight), name
+
+
+def test_an_engine_decodes_only_the_projections_its_kernels_cannot_serve_from_codes(
+        tmp_path: Path, kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = str(write_gguf(tmp_path / "m.gguf", ARCH, WEIGHTS, qtype="Q4_1"))
+    decoded, decode = [], gguf_loader._decode
+    monkeypatch.setattr(gguf_loader, "_decode", lambda t, name, *args: decoded.append(name) or decode(t, name, *args))
+    model = LLM(model=path, dtype="bfloat16").engine.model
+    projections = [name for name in decoded if name.split(".")[-2] in PROJECTIONS]
+    if kernels == "native":  # served from codes alone: never decoded
+        assert projections == [] and all(layer.qkv.weight is None for layer in model.layers)
+        return
+    assert len(projections) == 7 * ARCH.num_layers  # torch's 4-bit kernel serves small batches only
+    eager = load_checkpoint(path, torch.bfloat16).weights
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        assert torch.equal(layer.qkv.weight, torch.cat([eager[f"{p}self_attn.{x}_proj.weight"] for x in "qkv"]))
+        assert torch.equal(layer.down.weight, eager[f"{p}mlp.down_proj.weight"])
