@@ -15,11 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import machine, table, write_json  # noqa: E402
-from bench.observability_overhead import free_port  # noqa: E402
+from bench.observability_overhead import _ready, free_port  # noqa: E402
 
 IN_PROCESS = ("import time; from forge_service import LLM; start = time.perf_counter(); LLM(); "
               "print(time.perf_counter() - start)")
@@ -38,11 +36,8 @@ def served(timeout: float = 300) -> float:
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=1).status_code == 200:
-                    return time.monotonic() - start
-            except httpx.HTTPError:
-                pass
+            if _ready(f"http://127.0.0.1:{http_port}"):
+                return time.monotonic() - start
             if proc.poll() is not None or time.monotonic() - start > timeout:
                 raise RuntimeError(f"forge serve exited or was not ready in {timeout} s")
             time.sleep(0.05)

@@ -65,10 +65,11 @@ class Int8Weight:
         codes = torch.empty(n, k, dtype=torch.int8, device=weight.device)
         scale = torch.empty(n, k // INT4_GROUP, dtype=torch.float32, device=weight.device)
         for r in range(0, n, QUANTIZE_ROWS):  # in runs of rows: a [V, D] lm_head's fp32 temporaries are large
-            groups = weight[r:r + QUANTIZE_ROWS].float().view(-1, k // INT4_GROUP, INT4_GROUP)
-            scale[r:r + QUANTIZE_ROWS] = (groups.abs().amax(dim=-1) / 127).half().float()  # [rows, K / 32]
-            divisor = scale[r:r + QUANTIZE_ROWS].masked_fill(scale[r:r + QUANTIZE_ROWS] == 0, 1)[..., None]
-            codes[r:r + QUANTIZE_ROWS] = torch.round(groups / divisor).clamp(-127, 127).to(torch.int8).view(-1, k)
+            rows = slice(r, r + QUANTIZE_ROWS)
+            groups = weight[rows].float().view(-1, k // INT4_GROUP, INT4_GROUP)
+            scale[rows] = (groups.abs().amax(dim=-1) / 127).half().float()  # [rows, K / 32]
+            divisor = scale[rows].masked_fill(scale[rows] == 0, 1)[..., None]
+            codes[rows] = torch.round(groups / divisor).clamp(-127, 127).to(torch.int8).view(-1, k)
         return Int8Weight(codes, scale)
 
     def dequantize(self) -> torch.Tensor:

@@ -111,7 +111,7 @@ class GGUFFile:
         return unpack.unpack(self._bytes(unpack.size))[0]
 
     def _string(self) -> str:
-        return self._bytes(self._scalar("Q")).decode("utf-8")
+        return self._strings(1)[0]
 
     def _strings(self, count: int) -> list[str]:
         """`count` strings in a row: one loop over the bytes (a vocabulary is ~100k of them)."""

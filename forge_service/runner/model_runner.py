@@ -97,8 +97,9 @@ class ModelRunner:
         # and the draft before it, whose KV this step writes before any row attends. Verification
         # thus runs the kernels a plain decode runs (the fused decode call included), and each
         # row's logits are those a plain decode at its position would get.
-        decodes = [c for c in out.chunks if _is_decode(c)]
-        prefills = [c for c in out.chunks if not _is_decode(c)]
+        decodes, prefills = [], []
+        for chunk in out.chunks:
+            (decodes if _is_decode(chunk) else prefills).append(chunk)
         ordered = decodes + prefills  # decodes first: they are attended as one padded batch
         input_ids, positions, slots, logit_rows, tables = self._flat_inputs(ordered)
         num_decode_rows = sum(c.num_tokens for c in decodes)
