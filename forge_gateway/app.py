@@ -132,9 +132,10 @@ def _stub(request: Request) -> pb_grpc.ForgeStub:
 
 
 async def _answer(request: Request, call: Any) -> Any:
-    """A unary call's response, once a replica admitted it within the bound."""
-    await _replicas(request).admitted([call])
-    return await call
+    """A Generate call's response, once a replica admitted it within the bound."""
+    replicas = _replicas(request)
+    await replicas.admitted([call])
+    return await replicas.one_response(call)
 
 
 def _ids(request: Request, prefix: str) -> tuple[str, str]:
@@ -165,7 +166,7 @@ async def _chat(request: Request, body: ChatCompletionRequest, config: GatewayCo
     if body.stream:
         formatter = convert.ChatStream(response_id, created, body.model, body.n, body.logprobs, body.include_usage)
         return await _stream(request, [message], formatter, timeout)
-    call = _stub(request).Generate(message, timeout=timeout)
+    call = _replicas(request).generate(message, timeout)
     response = await _unless_disconnected(request, _answer(request, call), _canceller([call]))
     return JSONResponse(convert.chat_completion(response, response_id, created, body.model, body.logprobs))
 
@@ -179,7 +180,7 @@ async def _completions(request: Request, body: CompletionRequest, config: Gatewa
         formatter = convert.CompletionStream(response_id, created, body.model, body.n, want_logprobs,
                                              body.include_usage)
         return await _stream(request, messages, formatter, timeout)
-    calls = [_stub(request).Generate(m, timeout=timeout) for m in messages]
+    calls = [_replicas(request).generate(m, timeout) for m in messages]
     responses = await _unless_disconnected(request, asyncio.gather(*(_answer(request, c) for c in calls)), _canceller(calls))
     return JSONResponse(convert.text_completion(responses, response_id, created, body.model, body.n, want_logprobs))
 

@@ -104,6 +104,10 @@ def _numeric(address: str) -> tuple[str, int]:
     return str(infos[0][4][0]), int(port)
 
 
+# Generate's full name on the wire, which says nothing of how many messages each side sends.
+_GENERATE = f"/{READINESS_SERVICE}/Generate"
+
+
 @dataclass
 class Replicas:
     """The stubs the routes use, and the bounded wait for a replica to admit a call."""
@@ -112,6 +116,17 @@ class Replicas:
     probe: pb_grpc.ForgeStub
     channel: grpc.aio.Channel
     ready_timeout_s: float
+
+    def generate(self, request: pb.GenerateRequest, timeout: float) -> grpc.aio.UnaryStreamCall:
+        """Generate on the work channel, called as a server stream of its one response.
+
+        grpc.aio hands a unary call's response headers over only with its response, so `admitted`
+        could not tell a call a replica is running from one still waiting for a ready replica,
+        and would cancel a long generation whose replica began draining. As a stream, the headers
+        come when the replica admits the call. `one_response` reads the answer."""
+        call = self.channel.unary_stream(_GENERATE, request_serializer=pb.GenerateRequest.SerializeToString,
+                                         response_deserializer=pb.GenerateResponse.FromString)
+        return call(request, timeout=timeout)
 
     async def admitted(self, calls: Sequence[Any]) -> None:
         """Wait until a replica has admitted each call (its response headers came, or it ended).
@@ -135,6 +150,14 @@ class Replicas:
                     for each in calls:
                         each.cancel()
                     raise await self.no_ready_replica()
+
+    @staticmethod
+    async def one_response(call: grpc.aio.UnaryStreamCall) -> pb.GenerateResponse:
+        """The response of a `generate` call (its error status raised as AioRpcError)."""
+        responses = [response async for response in call]
+        if len(responses) != 1:
+            raise RuntimeError(f"Generate answered {len(responses)} messages where its method sends one")
+        return responses[0]
 
     async def no_ready_replica(self) -> GatewayError:
         """The 503 for a request that found no ready replica, saying why when one answers."""

@@ -1,5 +1,5 @@
 """A server's life on the real model: loading (503), auth (401), a full queue (429), draining
-on SIGTERM (503 to new work, in-flight streams finish, exit 0), and the README's `make serve`.
+on SIGTERM (503 to new work, in-flight requests finish, exit 0), and the README's `make serve`.
 
 These need their own short-lived servers, so they do not use the session server. The tests
 of the small server run in file order: it is loading during the first one and gone after the last.
@@ -127,16 +127,20 @@ def test_a_full_queue_answers_429_with_retry_after(small_server: ForgeProcess) -
 DRAIN_TOKENS = 240
 
 
-def test_sigterm_drains_the_stream_in_flight_and_exits_0(small_server: ForgeProcess) -> None:
+def test_sigterm_drains_the_requests_in_flight_and_exits_0(small_server: ForgeProcess) -> None:
     small_server.wait_ready()
     # Long enough that the server is still draining when the checks below run (a fast machine
     # finishes a short stream, drains and exits before them).
     body = chat_body(max_tokens=DRAIN_TOKENS, ignore_eos=True, temperature=0, stream=True,
                      stream_options={"include_usage": True})
     with httpx.stream("POST", small_server.url + "/v1/chat/completions", json=body, headers=AUTH,
-                      timeout=120) as stream:
+                      timeout=120) as stream, ThreadPoolExecutor(1) as pool:
         events = data_lines(stream.iter_lines())
         received = [next(events)]
+        # A non-streaming request admitted before the signal (waiting behind the stream) finishes
+        # too: the gateway must not take its replica's readiness turning off for a failure.
+        unary = pool.submit(post_chat, small_server, max_tokens=8, ignore_eos=True)
+        small_server.wait_until(lambda: small_server.health().requests_in_flight == 2, 30, "two in flight")
         small_server.proc.send_signal(signal.SIGTERM)
         small_server.wait_until(lambda: gateway_health(small_server).status_code == 503, 10, "draining")
         assert gateway_health(small_server).json()["status"] == "draining"
@@ -146,12 +150,15 @@ def test_sigterm_drains_the_stream_in_flight_and_exits_0(small_server: ForgeProc
         assert_error(late, 503, "service_unavailable", "unavailable")
         assert late.headers["retry-after"] == "1" and "draining" in late.json()["error"]["message"]
         received += list(events)
+        answered = unary.result(timeout=120)
     assert received[-1] == "[DONE]"
     chunks = [json.loads(e) for e in received[:-1]]
     assert not any("error" in c for c in chunks), chunks[-3:]
     finishes = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
     assert finishes == ["length"]
     assert chunks[-1]["usage"]["completion_tokens"] == DRAIN_TOKENS
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["usage"]["completion_tokens"] == 8
     assert small_server.proc.wait(60) == 0, small_server.log_tail()
 
 
