@@ -79,7 +79,9 @@ def validation_error(errors: list[dict[str, Any]]) -> GatewayError:
     if first.get("type") == "json_invalid":
         return GatewayError(400, f"malformed JSON body: {first.get('msg')}", code="invalid_json")
     param = ".".join(loc) or None
-    message = f"{param}: {first['msg']}" if param else str(first["msg"])
+    # A model validator's ValueError comes as "Value error, <its message>": the message is the user's.
+    reason = str(first["msg"]).removeprefix("Value error, ")
+    message = f"{param}: {reason}" if param else reason
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more errors)"
     return GatewayError(400, message, param=param, code="invalid_value")

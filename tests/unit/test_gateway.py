@@ -385,6 +385,11 @@ def test_validation_errors_are_400(http: httpx.Client, fake: FakeForge, body: di
     assert not fake.requests  # never reached the service
 
 
+def test_a_validator_error_reads_as_its_own_message(http: httpx.Client) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
+    assert http.post("/v1/chat/completions", json=body).json()["error"]["message"] == "top_logprobs needs logprobs: true"
+
+
 def test_malformed_json_and_unknown_route(http: httpx.Client) -> None:
     response = http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and "malformed JSON" in response.json()["error"]["message"]
