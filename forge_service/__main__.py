@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from typing import Callable
 
 from forge_service.config import EngineConfig, ServiceConfig, engine_config_from_env, service_config_from_env
 from forge_service.logs import log_format
@@ -91,6 +93,19 @@ def setup_logging(level: str, fmt: str = "text") -> None:
     setup(level, fmt)
 
 
+def run_or_report(start: Callable[[], None]) -> int:
+    """Run a server until it stops: 0. A start that fails for a reason its operator must fix (a
+    port in use, a model that cannot load, a bad setting) is one logged error and status 2."""
+    from forge_service.errors import ForgeError, StartupError
+
+    try:
+        start()
+    except (ForgeError, StartupError) as error:
+        logging.getLogger("forge").error("cannot start: %s", error)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m forge_service", description="Forge gRPC service")
     add_arguments(parser)
@@ -98,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(service_config.log_level, service_config.log_format)
     from forge_service.server import serve
 
-    serve(engine_config, service_config)
-    return 0
+    return run_or_report(lambda: serve(engine_config, service_config))
 
 
 if __name__ == "__main__":

@@ -31,13 +31,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from forge_service.__main__ import configs_from_args, setup_logging
+    from forge_service.__main__ import configs_from_args, run_or_report, setup_logging
     from forge_service.serve import run_all
 
     engine_config, service_config = configs_from_args(args)
     setup_logging(service_config.log_level, service_config.log_format)
-    run_all(engine_config, service_config)
-    return 0
+    return run_or_report(lambda: run_all(engine_config, service_config))
 
 
 def build_parser() -> argparse.ArgumentParser:

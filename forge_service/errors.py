@@ -49,6 +49,11 @@ class CudaError(ForgeError):
     code = "INTERNAL"
 
 
+class StartupError(Exception):
+    """A server cannot start for a reason its operator must fix: a port it cannot listen on.
+    The entry points log the message (as they do a model that cannot load) and exit 2."""
+
+
 class ModelLoadError(ForgeError):
     """A checkpoint could not be loaded: truncated, corrupt, or of an unsupported kind.
 

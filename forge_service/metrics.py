@@ -15,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from forge_service.engine.request import Request
+from forge_service.errors import StartupError
 
 log = logging.getLogger(__name__)
 
@@ -195,12 +196,15 @@ class EngineMetrics:
 @contextlib.contextmanager
 def metrics_endpoint(registry: CollectorRegistry, host: str, port: int) -> Iterator[int | None]:
     """Expose `registry` at http://host:port/metrics (a daemon thread) while inside; yields the
-    port, or None when `port` is 0 (off). Raises OSError when the port is taken: a misconfigured
-    pod should fail at start."""
+    port, or None when `port` is 0 (off). Raises StartupError when the port is taken: a
+    misconfigured pod should fail at start."""
     if not port:
         yield None
         return
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as error:
+        raise StartupError(f"cannot serve metrics on {host}:{port}: {error.strerror or error}") from None
     log.info("metrics on http://%s:%d/metrics", host, server.server_port)
     try:
         yield server.server_port

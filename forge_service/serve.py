@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import tempfile
 from typing import Iterator
 
@@ -18,6 +19,7 @@ import uvicorn
 from forge_gateway.app import create_app
 from forge_gateway.config import GatewayConfig, gateway_config_from_env
 from forge_service.config import EngineConfig, ServiceConfig, malloc_arenas
+from forge_service.errors import StartupError
 from forge_service.logs import uvicorn_log_config
 from forge_service.metrics import metrics_endpoint
 from forge_service.server import ForgeService, build_service, cap_malloc_arenas
@@ -55,19 +57,34 @@ async def run_all_async(service: ForgeService, service_config: ServiceConfig,
     With TLS on the gRPC port the gateway reaches the service over a Unix socket in a private directory.
     The gateway traces with the service's tracer."""
     with contextlib.ExitStack() as stack:
+        http_socket = stack.enter_context(listen_http(service_config.host, service_config.http_port))
         local_socket = None
         if service_config.tls_cert:
             local_socket = os.path.join(stack.enter_context(tempfile.TemporaryDirectory(prefix="forge-")), "grpc.sock")
         port = await service.start(local_socket)
-        await _serve_with_gateway(service, gateway_config(service_config, port, local_socket), stop)
+        await _serve_with_gateway(service, gateway_config(service_config, port, local_socket), http_socket, stop)
 
 
-async def _serve_with_gateway(service: ForgeService, config: GatewayConfig, stop: asyncio.Event | None) -> None:
+def listen_http(host: str, port: int) -> socket.socket:
+    """The gateway's socket, bound before anything starts: a port in use is a StartupError here,
+    where uvicorn, binding it itself, would exit the process from inside the event loop."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn sets it
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise StartupError(f"cannot listen for HTTP on {host}:{port}: {error.strerror or error}") from None
+    return sock
+
+
+async def _serve_with_gateway(service: ForgeService, config: GatewayConfig, http_socket: socket.socket,
+                              stop: asyncio.Event | None) -> None:
     http = _Uvicorn(uvicorn.Config(create_app(config, tracer=service.tracer), host=config.host,
                                    port=config.http_port, log_level=config.log_level,
                                    log_config=uvicorn_log_config(config.log_format),
                                    timeout_graceful_shutdown=_HTTP_GRACE_S))
-    gateway = asyncio.create_task(http.serve())
+    gateway = asyncio.create_task(http.serve(sockets=[http_socket]))
     try:
         await service.run(stop)  # loads, serves, and on a signal drains and stops the gRPC server
     finally:

@@ -24,8 +24,8 @@ from forge_service import auth, convert, limits
 from forge_service.admission import TokenizerPool, check_prompt_chars, longest_token_chars
 from forge_service.config import EngineConfig, ServiceConfig, malloc_arenas
 from forge_service.engine.async_engine import AsyncEngine, SyncEngine
-from forge_service.errors import ForgeError, ModelNotFound, QueueFull, Unavailable, bounded_details, error_metadata, \
-    excerpt, grpc_status
+from forge_service.errors import ForgeError, ModelNotFound, QueueFull, StartupError, Unavailable, bounded_details, \
+    error_metadata, excerpt, grpc_status
 from forge_service.metrics import ServiceMetrics, metrics_endpoint
 from forge_service.rpc_observer import RpcRecord, observe_rpc
 from forge_service.tracing import MonotonicClock, traced
@@ -188,6 +188,14 @@ async def _abort_internal(context: grpc.aio.ServicerContext, error: BaseExceptio
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error [error id {error_id}]")
 
 
+def _listen(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Add a listening port to `server` (the port it got); StartupError if it cannot be bound."""
+    try:
+        return server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:  # gRPC says only that binding failed; its log line says why
+        raise StartupError(f"cannot listen for gRPC on {address}: the address is in use or not this host's") from None
+
+
 class ForgeService:
     """The gRPC server's lifecycle: bind, load the engine, serve, drain, stop.
 
@@ -229,9 +237,9 @@ class ForgeService:
             names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, server)
         address = f"{self.config.host}:{self.config.grpc_port}"
-        self.port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        self.port = _listen(server, address, credentials)
         if local_socket is not None:
-            server.add_insecure_port(f"unix:{local_socket}")
+            _listen(server, f"unix:{local_socket}")
         await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._server = server

@@ -1,12 +1,16 @@
-"""`forge generate` end to end on a tiny model."""
+"""`forge generate` end to end on a tiny model, and `forge serve` failing to start."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
+import pytest
+
 from forge_service import LLM, SamplingParams
 from tests.tiny_models import CHATML_TEMPLATE, random_weights, tiny_arch, tiny_tokenizer_json, write_safetensors_dir
+from tests.unit.fakes import free_port
 
 
 def test_generate_prints_the_offline_result(tmp_path):
@@ -30,3 +34,26 @@ def test_generate_reports_bad_input(tmp_path):
     assert res.returncode == 2
     assert res.stderr.startswith("error: cannot load") and "missing.gguf" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("taken, expected", [
+    (None, "cannot load {model}: no such file or directory"),
+    ("--http-port", "cannot listen for HTTP on 127.0.0.1:{port}: Address already in use"),
+    ("--grpc-port", "cannot listen for gRPC on 127.0.0.1:{port}: the address is in use"),
+    ("--metrics-port", "cannot serve metrics on 127.0.0.1:{port}: Address already in use"),
+])
+def test_serve_that_cannot_start_says_why_in_one_line_and_exits_2(tmp_path, taken, expected):
+    # A port in use or a missing model is the operator's to fix: one error line, no traceback.
+    ports = {flag: free_port() for flag in ("--http-port", "--grpc-port", "--metrics-port")}
+    model = tmp_path / ("missing.gguf" if taken is None else "unused.gguf")
+    cmd = [sys.executable, "-m", "forge_service.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
+           *(str(part) for item in ports.items() for part in item)]
+    with socket.socket() as occupant:
+        if taken is not None:
+            occupant.bind(("127.0.0.1", ports[taken]))
+            occupant.listen()
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    output = res.stdout + res.stderr
+    assert res.returncode == 2, output
+    assert "Traceback" not in output and "was never awaited" not in output, output
+    assert "ERROR forge: cannot start: " + expected.format(model=model, port=ports.get(taken)) in output, output
