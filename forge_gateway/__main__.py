@@ -49,19 +49,37 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import uvicorn
-
-    from forge_gateway.app import create_app
-    from forge_service.logs import setup_logging, uvicorn_log_config
-    from forge_service.tracing import traced
+    from forge_service.__main__ import run_or_report
+    from forge_service.logs import setup_logging
 
     config = parse_config(argv)
     setup_logging(config.log_level, config.log_format)
-    with traced(config.otlp_traces_endpoint, "forge-gateway") as tracer:
-        uvicorn.run(create_app(config, tracer=tracer), host=config.host, port=config.http_port,
-                    log_level=config.log_level, log_config=uvicorn_log_config(config.log_format),
-                    timeout_graceful_shutdown=30)
-    return 0
+    return run_or_report(lambda: serve(config))
+
+
+def serve(config: GatewayConfig) -> None:
+    """Serve until SIGTERM/SIGINT. What the channels need (the target, the TLS files) and the HTTP
+    port are checked first: StartupError, not a traceback from uvicorn's start."""
+    import uvicorn
+
+    from forge_gateway import balancer, dial
+    from forge_gateway.app import create_app, listen_http
+    from forge_service.errors import StartupError
+    from forge_service.logs import uvicorn_log_config
+    from forge_service.tracing import traced
+
+    try:
+        balancer.channel_target(config.target)  # a list's host names resolve
+        dial.channel_credentials(config)  # the TLS files can be read
+    except ValueError as error:
+        raise StartupError(str(error)) from None
+    with listen_http(config.host, config.http_port) as sock, \
+            traced(config.otlp_traces_endpoint, "forge-gateway") as tracer:
+        server = uvicorn.Server(uvicorn.Config(create_app(config, tracer=tracer), host=config.host,
+                                               port=config.http_port, log_level=config.log_level,
+                                               log_config=uvicorn_log_config(config.log_format),
+                                               timeout_graceful_shutdown=30))
+        server.run(sockets=[sock])
 
 
 if __name__ == "__main__":

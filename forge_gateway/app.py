@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import math
+import socket
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -26,6 +27,7 @@ from forge_gateway.errors import GatewayError, from_grpc, internal_error, valida
 from forge_gateway.metrics import GatewayMetrics, ObservabilityMiddleware, client_interceptors
 from forge_gateway.models import ChatCompletionRequest, CompletionRequest
 from forge_gateway.limits import RequestGuard, check_request
+from forge_service.errors import StartupError
 from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
 
@@ -35,6 +37,19 @@ _CLOSED_BY_CLIENT = 499  # nginx's code; nobody reads it, the client is gone
 
 class ClientDisconnected(Exception):
     """The HTTP client went away; its gRPC calls were cancelled."""
+
+
+def listen_http(host: str, port: int) -> socket.socket:
+    """The gateway's HTTP socket, bound before anything starts: a port in use is a StartupError
+    here, where uvicorn, binding it itself, exits the process from inside the event loop."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn sets it
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise StartupError(f"cannot listen for HTTP on {host}:{port}: {error.strerror or error}") from None
+    return sock
 
 
 def create_app(config: GatewayConfig, channel: grpc.aio.Channel | None = None,

@@ -16,10 +16,9 @@ from typing import Iterator
 
 import uvicorn
 
-from forge_gateway.app import create_app
+from forge_gateway.app import create_app, listen_http
 from forge_gateway.config import GatewayConfig, gateway_config_from_env
 from forge_service.config import EngineConfig, ServiceConfig, malloc_arenas
-from forge_service.errors import StartupError
 from forge_service.logs import uvicorn_log_config
 from forge_service.metrics import metrics_endpoint
 from forge_service.server import ForgeService, build_service, cap_malloc_arenas
@@ -63,19 +62,6 @@ async def run_all_async(service: ForgeService, service_config: ServiceConfig,
             local_socket = os.path.join(stack.enter_context(tempfile.TemporaryDirectory(prefix="forge-")), "grpc.sock")
         port = await service.start(local_socket)
         await _serve_with_gateway(service, gateway_config(service_config, port, local_socket), http_socket, stop)
-
-
-def listen_http(host: str, port: int) -> socket.socket:
-    """The gateway's socket, bound before anything starts: a port in use is a StartupError here,
-    where uvicorn, binding it itself, would exit the process from inside the event loop."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn sets it
-    try:
-        sock.bind((host, port))
-    except OSError as error:
-        sock.close()
-        raise StartupError(f"cannot listen for HTTP on {host}:{port}: {error.strerror or error}") from None
-    return sock
 
 
 async def _serve_with_gateway(service: ForgeService, config: GatewayConfig, http_socket: socket.socket,

@@ -1,4 +1,4 @@
-"""`forge generate` end to end on a tiny model, and `forge serve` failing to start."""
+"""`forge generate` end to end on a tiny model, and `forge serve` and the gateway failing to start."""
 from __future__ import annotations
 
 import json
@@ -57,3 +57,21 @@ def test_serve_that_cannot_start_says_why_in_one_line_and_exits_2(tmp_path, take
     assert res.returncode == 2, output
     assert "Traceback" not in output and "was never awaited" not in output, output
     assert "ERROR forge: cannot start: " + expected.format(model=model, port=ports.get(taken)) in output, output
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--target", "127.0.0.1:1"], "cannot listen for HTTP on 127.0.0.1:{port}: Address already in use"),
+    (["--target", "127.0.0.1:1,127.0.0.1"], "'127.0.0.1' in the target list is not HOST:PORT"),
+    (["--target", "127.0.0.1:1", "--grpc-ca-file", "/missing-ca.pem"], "cannot read /missing-ca.pem"),
+])
+def test_gateway_that_cannot_start_says_why_in_one_line_and_exits_2(args, expected):
+    port = free_port()
+    cmd = [sys.executable, "-m", "forge_gateway", "--host", "127.0.0.1", "--port", str(port), *args]
+    with socket.socket() as occupant:
+        occupant.bind(("127.0.0.1", port))
+        occupant.listen()  # taken for the first case; the others fail before binding
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    output = res.stdout + res.stderr
+    assert res.returncode == 2, output
+    assert "Traceback" not in output, output
+    assert "ERROR forge: cannot start: " + expected.format(port=port) in output, output
