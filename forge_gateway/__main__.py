@@ -45,7 +45,11 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     parser = argparse.ArgumentParser(prog="python -m forge_gateway", description="Forge OpenAI-compatible gateway")
     for flag, dest, kind, help_text in FLAGS + LIMIT_FLAGS:
         parser.add_argument(flag, dest=dest, type=kind, default=None, help=help_text)
-    return gateway_config_from_env(**vars(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    try:
+        return gateway_config_from_env(**vars(args))
+    except ValueError as error:  # a FORGE_* variable or a value out of range
+        parser.error(str(error))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from forge_service.config import from_env
+from forge_service.config import from_env, require_at_least, require_ports
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,15 @@ class GatewayConfig:
     # How long a request waits for a ready replica (none ready: all loading, draining or gone)
     # before the gateway answers 503.
     ready_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        require_ports(self, "http_port")
+        require_at_least(self, 0, "retry_after_s", "ready_timeout_s")
+        require_at_least(self, 1, "max_body_bytes", "max_json_depth", "max_prompts", "max_messages", "max_n")
+        require_at_least(self, 0, "max_unknown_field_bytes", "max_stop", "max_stop_chars", "max_n_tokens",
+                         "max_logit_bias")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
 
 def gateway_config_from_env(env: Mapping[str, str] | None = None, **overrides: Any) -> GatewayConfig:

@@ -6,12 +6,16 @@ import logging
 import sys
 from typing import Callable
 
-from forge_service.config import EngineConfig, ServiceConfig, engine_config_from_env, service_config_from_env
+from forge_service.config import EngineConfig, ServiceConfig, engine_config_from_env, parse_bool, \
+    service_config_from_env
 from forge_service.logs import log_format
 
 
 def _bool(value: str) -> bool:
-    return value.lower() in ("1", "true", "yes", "on")
+    try:
+        return parse_bool(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 # (flag, config field, type, help). Unset flags fall back to FORGE_* variables, then defaults.
@@ -109,7 +113,11 @@ def run_or_report(start: Callable[[], None]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m forge_service", description="Forge gRPC service")
     add_arguments(parser)
-    engine_config, service_config = configs_from_args(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        engine_config, service_config = configs_from_args(args)
+    except ValueError as error:  # a FORGE_* variable or a value out of range
+        parser.error(str(error))
     setup_logging(service_config.log_level, service_config.log_format)
     from forge_service.server import serve
 

@@ -8,6 +8,24 @@ from typing import Any, Mapping
 ENV_PREFIX = "FORGE_"
 
 
+def require_at_least(config: object, minimum: float, *names: str) -> None:
+    """ValueError naming the first of `names` (fields of `config`) below `minimum`; None passes.
+    A setting out of range fails at start, where it would stall or break requests later (no
+    sequence could ever be scheduled with max_num_seqs 0)."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def require_ports(config: object, *names: str) -> None:
+    """ValueError naming the first of `names` that is not a port number (0: the OS picks one, or off)."""
+    for name in names:
+        value = getattr(config, name)
+        if not 0 <= value <= 65535:
+            raise ValueError(f"{name} must be a port number (0 to 65535), got {value}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     # Path to a .gguf file or a Hugging Face directory; None means the default model.
@@ -20,6 +38,9 @@ class ModelConfig:
     served_model_name: str | None = None
     device: str = "cpu"
 
+    def __post_init__(self) -> None:
+        require_at_least(self, 1, "max_model_len")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -30,6 +51,9 @@ class CacheConfig:
     num_blocks: int | None = None
     # Reuse the KV of full blocks whose whole prefix matches an earlier request's.
     enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        require_at_least(self, 1, "block_size", "kv_cache_bytes", "num_blocks")
 
 
 @dataclass(frozen=True)
@@ -44,6 +68,10 @@ class SchedulerConfig:
     # Bound on waiting requests; past it, new requests are refused. 0 means unbounded.
     max_waiting: int = 256
 
+    def __post_init__(self) -> None:
+        require_at_least(self, 1, "max_num_batched_tokens", "max_num_seqs")
+        require_at_least(self, 0, "max_tokens_while_decoding", "max_waiting")
+
 
 @dataclass(frozen=True)
 class StructuredConfig:
@@ -51,6 +79,11 @@ class StructuredConfig:
     max_grammar_bytes: int = 128 * 1024
     # Wall-clock limit on compiling one constraint; past it the request gets INVALID_ARGUMENT.
     grammar_compile_timeout_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        require_at_least(self, 1, "max_grammar_bytes")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -92,6 +125,9 @@ class EngineConfig:
     speculative: SpeculativeConfig = SpeculativeConfig()
     # torch intra-op threads on CPU; 0 keeps torch's default.
     num_threads: int = 0
+
+    def __post_init__(self) -> None:
+        require_at_least(self, 0, "num_threads")
 
 
 @dataclass(frozen=True)
@@ -142,6 +178,11 @@ class ServiceConfig:
     # OTLP/gRPC endpoint for traces; unset: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, else tracing is off.
     otlp_traces_endpoint: str | None = None
 
+    def __post_init__(self) -> None:
+        require_ports(self, "grpc_port", "http_port", "metrics_port")
+        require_at_least(self, 0, "drain_timeout_s")
+        require_at_least(self, 1, "tokenizer_workers", "max_pending_tokenize")
+
     @property
     def grpc_key(self) -> str | None:
         """The key gRPC calls must carry, or None when the port is open."""
@@ -169,9 +210,20 @@ def malloc_arenas(env: Mapping[str, str] | None = None) -> int | None:
     return len(usable(0)) if usable else os.cpu_count()
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def parse_bool(value: str) -> bool:
+    """A boolean setting's text: 1/true/yes/on or 0/false/no/off (any case); anything else is a
+    ValueError, not a silent false."""
+    if value.lower() not in _TRUE + _FALSE:
+        raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE[:-1])}, got {value!r}")
+    return value.lower() in _TRUE
+
+
 def _coerce(value: str, current: Any, name: str) -> Any:
     if isinstance(current, bool):
-        return value.lower() in ("1", "true", "yes", "on")
+        return parse_bool(value)
     if isinstance(current, int):
         return int(value)
     if isinstance(current, float):
@@ -195,7 +247,10 @@ def from_env(cls: type, env: Mapping[str, str] | None = None, **overrides: Any):
     for f in fields(cls):
         key = ENV_PREFIX + f.name.upper()
         if key in env:
-            values[f.name] = _coerce(env[key], getattr(obj, f.name), f.name)
+            try:
+                values[f.name] = _coerce(env[key], getattr(obj, f.name), f.name)
+            except ValueError as error:
+                raise ValueError(f"{key}={env[key]!r}: {error}") from None
     values.update({k: v for k, v in overrides.items() if v is not None})
     return replace(obj, **values)
 

@@ -75,3 +75,10 @@ def test_gateway_that_cannot_start_says_why_in_one_line_and_exits_2(args, expect
     assert res.returncode == 2, output
     assert "Traceback" not in output, output
     assert "ERROR forge: cannot start: " + expected.format(port=port) in output, output
+
+
+def test_serve_with_a_setting_out_of_range_is_a_usage_error():
+    cmd = [sys.executable, "-m", "forge_service.cli", "serve", "--max-num-seqs", "0"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip() == "forge serve: error: max_num_seqs must be >= 1, got 0"
