@@ -52,6 +52,8 @@ def listen_http(host: str, port: int) -> socket.socket:
     except OSError as error:
         sock.close()
         raise StartupError(f"cannot listen for HTTP on {host}:{port}: {error.strerror or error}") from None
+    # uvicorn says where it listens only on sockets it binds itself
+    log.info("OpenAI API on http://%s:%d", f"[{host}]" if ":" in host else host, sock.getsockname()[1])
     return sock
 
 
