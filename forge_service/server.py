@@ -300,17 +300,21 @@ class ForgeService:
         """This replica's name: host (in Kubernetes, the pod) name and gRPC port."""
         return f"{socket.gethostname()}:{self.port}"
 
-    async def drain(self, timeout_s: float) -> bool:
-        """Readiness off, refuse new work, wait for in-flight RPCs; True if they all finished."""
+    async def drain(self, timeout_s: float, cut: asyncio.Event | None = None) -> bool:
+        """Readiness off, refuse new work, wait for in-flight RPCs; True if they all finished.
+        `cut` set (a second signal) ends the wait early."""
         self.phase = Phase.DRAINING
         await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         log.info("draining: %d requests in flight, waiting up to %.0f s", self._in_flight, timeout_s)
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        waits = {asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future((cut or asyncio.Event()).wait())}
+        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
+        if self._idle.is_set():
             return True
-        except TimeoutError:
-            log.warning("drain timeout: cancelling %d requests still in flight", self._in_flight)
-            return False
+        why = "told again to stop" if cut is not None and cut.is_set() else "drain timeout"
+        log.warning("%s: cancelling %d requests still in flight", why, self._in_flight)
+        return False
 
     async def stop(self) -> None:
         """Cancel what is left, stop the server and the engine thread."""
@@ -337,8 +341,8 @@ class ForgeService:
         """Serve until SIGTERM/SIGINT (or `stop` is set), then drain and stop.
 
         A model that fails to load stops the server and raises."""
-        stop = stop or asyncio.Event()
-        with _signals_set(stop):
+        stop, cut = stop or asyncio.Event(), asyncio.Event()
+        with _signals_set(stop, cut):
             loading = asyncio.create_task(self.load())
             stopping = asyncio.create_task(stop.wait())
             await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -347,22 +351,24 @@ class ForgeService:
                 await self.stop()
                 raise loading.exception()
             await stopping
-        if not loading.done():
-            loading.cancel()
-        await self.drain(self.config.drain_timeout_s)
-        await self.stop()
+            if not loading.done():
+                loading.cancel()
+            await self.drain(self.config.drain_timeout_s, cut)
+            await self.stop()
         log.info("stopped")
 
 
 @contextlib.contextmanager
-def _signals_set(event: asyncio.Event) -> Iterator[None]:
-    """SIGTERM and SIGINT set `event` while inside (only the main thread can catch signals)."""
+def _signals_set(event: asyncio.Event, again: asyncio.Event) -> Iterator[None]:
+    """SIGTERM and SIGINT set `event` while inside, and a second one sets `again` (only the main
+    thread can catch signals): a second Ctrl-C cuts the drain short, where Python's own handler
+    raised KeyboardInterrupt out of the event loop, and a second SIGTERM killed the process."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, _on_signal, sig, event)
+        loop.add_signal_handler(sig, _on_signal, sig, event, again)
     try:
         yield
     finally:
@@ -370,9 +376,13 @@ def _signals_set(event: asyncio.Event) -> Iterator[None]:
             loop.remove_signal_handler(sig)
 
 
-def _on_signal(sig: int, event: asyncio.Event) -> None:
-    log.info("received %s: draining", signal.Signals(sig).name)
-    event.set()
+def _on_signal(sig: int, event: asyncio.Event, again: asyncio.Event) -> None:
+    if event.is_set():
+        log.info("received %s again: stopping without waiting for the drain", signal.Signals(sig).name)
+        again.set()
+    else:
+        log.info("received %s: draining", signal.Signals(sig).name)
+        event.set()
 
 
 async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:

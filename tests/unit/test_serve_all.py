@@ -75,3 +75,34 @@ def test_connections_to_the_gateway_socket_have_nagle_off() -> None:
         return nodelay
 
     assert asyncio.run(main()) != 0
+
+
+def test_a_second_sigterm_cuts_the_drain_short() -> None:
+    fake = FakeEngine(step_delay_s=0.05)  # a 120-token stream: 6 s, where the drain would wait 30
+    config = ServiceConfig(host="127.0.0.1", grpc_port=0, http_port=free_port(), metrics_port=0, drain_timeout_s=30)
+    url = f"http://127.0.0.1:{config.http_port}"
+
+    def signal_twice() -> None:
+        wait_ready(url)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        stream = client.completions.create(model="fake-model", prompt="s" * 120, stream=True, max_tokens=120)
+        next(iter(stream))
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while httpx.get(url + "/health").status_code == 200:  # draining
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        # Still the service's to handle (were it Python's default, this signal would kill pytest)
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    async def main() -> float:
+        service = ForgeService(config, lambda: fake)
+        running = asyncio.create_task(run_all_async(service, config))
+        await asyncio.to_thread(signal_twice)
+        signalled = time.monotonic()
+        await asyncio.wait_for(running, 20)
+        return time.monotonic() - signalled
+
+    assert asyncio.run(main()) < 3
+    assert len(fake.aborted) == 1  # the stream in flight was cancelled, not finished
