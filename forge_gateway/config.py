@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from forge_service.config import from_env, require_at_least, require_ports
+from forge_service.config import from_env, require_at_least, require_ports, require_positive
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,7 @@ class GatewayConfig:
         require_at_least(self, 1, "max_body_bytes", "max_json_depth", "max_prompts", "max_messages", "max_n")
         require_at_least(self, 0, "max_unknown_field_bytes", "max_stop", "max_stop_chars", "max_n_tokens",
                          "max_logit_bias")
-        if not self.request_timeout_s > 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        require_positive(self, "request_timeout_s")
 
 
 def gateway_config_from_env(env: Mapping[str, str] | None = None, **overrides: Any) -> GatewayConfig:

@@ -18,6 +18,14 @@ def require_at_least(config: object, minimum: float, *names: str) -> None:
             raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def require_positive(config: object, *names: str) -> None:
+    """ValueError naming the first of `names` that is not above 0 (a timeout of 0 would expire at once)."""
+    for name in names:
+        value = getattr(config, name)
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+
+
 def require_ports(config: object, *names: str) -> None:
     """ValueError naming the first of `names` that is not a port number (0: the OS picks one, or off)."""
     for name in names:
@@ -82,8 +90,7 @@ class StructuredConfig:
 
     def __post_init__(self) -> None:
         require_at_least(self, 1, "max_grammar_bytes")
-        if not self.grammar_compile_timeout_s > 0:
-            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        require_positive(self, "grammar_compile_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -108,8 +115,7 @@ class SpeculativeConfig:
         if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
             raise ValueError(f"need 1 <= spec_ngram_min <= spec_ngram_max, got {self.spec_ngram_min}, "
                              f"{self.spec_ngram_max}")
-        if self.spec_max_draft < 0 or self.spec_max_step_tokens < 0 or self.spec_step_base_rows < 0:
-            raise ValueError("spec_max_draft, spec_max_step_tokens and spec_step_base_rows must be >= 0")
+        require_at_least(self, 0, "spec_max_draft", "spec_max_step_tokens", "spec_step_base_rows")
 
     @property
     def enabled(self) -> bool:

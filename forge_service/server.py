@@ -306,13 +306,14 @@ class ForgeService:
         self.phase = Phase.DRAINING
         await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         log.info("draining: %d requests in flight, waiting up to %.0f s", self._in_flight, timeout_s)
-        waits = {asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future((cut or asyncio.Event()).wait())}
+        cut = cut or asyncio.Event()
+        waits = {asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future(cut.wait())}
         await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         for wait in waits:
             wait.cancel()
         if self._idle.is_set():
             return True
-        why = "told again to stop" if cut is not None and cut.is_set() else "drain timeout"
+        why = "told again to stop" if cut.is_set() else "drain timeout"
         log.warning("%s: cancelling %d requests still in flight", why, self._in_flight)
         return False
 

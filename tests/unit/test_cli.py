@@ -48,15 +48,7 @@ def test_serve_that_cannot_start_says_why_in_one_line_and_exits_2(tmp_path, take
     model = tmp_path / ("missing.gguf" if taken is None else "unused.gguf")
     cmd = [sys.executable, "-m", "forge_service.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
            *(str(part) for item in ports.items() for part in item)]
-    with socket.socket() as occupant:
-        if taken is not None:
-            occupant.bind(("127.0.0.1", ports[taken]))
-            occupant.listen()
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    output = res.stdout + res.stderr
-    assert res.returncode == 2, output
-    assert "Traceback" not in output and "was never awaited" not in output, output
-    assert "ERROR forge: cannot start: " + expected.format(model=model, port=ports.get(taken)) in output, output
+    assert_start_fails(cmd, ports.get(taken), expected.format(model=model, port=ports.get(taken)))
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -67,14 +59,21 @@ def test_serve_that_cannot_start_says_why_in_one_line_and_exits_2(tmp_path, take
 def test_gateway_that_cannot_start_says_why_in_one_line_and_exits_2(args, expected):
     port = free_port()
     cmd = [sys.executable, "-m", "forge_gateway", "--host", "127.0.0.1", "--port", str(port), *args]
+    # The port is taken in every case: the first fails on it, the others before binding.
+    assert_start_fails(cmd, port, expected.format(port=port))
+
+
+def assert_start_fails(cmd: list[str], taken_port: int | None, reason: str) -> None:
+    """`cmd`, run while `taken_port` (if any) has a listener, exits 2 with one `cannot start` line."""
     with socket.socket() as occupant:
-        occupant.bind(("127.0.0.1", port))
-        occupant.listen()  # taken for the first case; the others fail before binding
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        if taken_port is not None:
+            occupant.bind(("127.0.0.1", taken_port))
+            occupant.listen()
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     output = res.stdout + res.stderr
     assert res.returncode == 2, output
-    assert "Traceback" not in output, output
-    assert "ERROR forge: cannot start: " + expected.format(port=port) in output, output
+    assert "Traceback" not in output and "was never awaited" not in output, output
+    assert "ERROR forge: cannot start: " + reason in output, output
 
 
 def test_serve_with_a_setting_out_of_range_is_a_usage_error():

@@ -20,6 +20,14 @@ from tests.unit.fakes import FakeEngine, free_port, wait_ready
 pytestmark = pytest.mark.timeout(60)
 
 
+def wait_draining(url: str) -> None:
+    """Until the gateway's /health stops answering 200 (5 s at most)."""
+    deadline = time.monotonic() + 5
+    while httpx.get(url + "/health").status_code == 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def test_one_process_serves_openai_clients_and_drains_on_sigterm() -> None:
     fake = FakeEngine(step_delay_s=0.02)
     config = ServiceConfig(host="127.0.0.1", grpc_port=0, http_port=free_port(), drain_timeout_s=10)
@@ -33,10 +41,7 @@ def test_one_process_serves_openai_clients_and_drains_on_sigterm() -> None:
         stream = client.completions.create(model="fake-model", prompt="s" * 40, stream=True, max_tokens=40)
         text = next(iter(stream)).choices[0].text
         os.kill(os.getpid(), signal.SIGTERM)  # a request is in flight: the drain waits for it
-        deadline = time.monotonic() + 5
-        while httpx.get(url + "/health").status_code == 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_draining(url)
         with pytest.raises(openai.APIStatusError) as refused:
             client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "late"}])
         text += "".join(c.choices[0].text for c in stream if c.choices)
@@ -88,10 +93,7 @@ def test_a_second_sigterm_cuts_the_drain_short() -> None:
         stream = client.completions.create(model="fake-model", prompt="s" * 120, stream=True, max_tokens=120)
         next(iter(stream))
         os.kill(os.getpid(), signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        while httpx.get(url + "/health").status_code == 200:  # draining
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_draining(url)
         # Still the service's to handle (were it Python's default, this signal would kill pytest)
         assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
         os.kill(os.getpid(), signal.SIGTERM)
