@@ -3,8 +3,9 @@ after-the-fact schema check.
 
 One OutputProcessor per request, fed each completion's text deltas in order, for Stream and
 Generate alike. With tools it splits text into content and calls (parser.py); at the end of a
-completion it validates every call's arguments against its tool's full schema, and a json_schema
-output against its schema, logging violations (the grammar may have approximated the schema;
+completion it validates every complete call's arguments against its tool's full schema (a call
+cut short by max_tokens is not checked, as a json_schema output cut short is not), and a
+json_schema output against its schema, logging violations (the grammar may have approximated the schema;
 see structured/schema.py). It never fails a request after the fact.
 """
 from __future__ import annotations
@@ -88,6 +89,8 @@ class OutputProcessor:
             schema = self._tools.schema_of(call.name)
             if schema is None:
                 log.warning("request %s: the model called an unknown tool %r", self.request_id, call.name)
+                continue
+            if not call.complete:  # cut short: its arguments were never whole
                 continue
             if call.name not in self._tool_validators:
                 self._tool_validators[call.name] = OutputValidator(schema)

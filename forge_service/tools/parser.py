@@ -11,7 +11,9 @@ Rules, the same for every format (formats.py):
 - A call's first delta carries its id and name; later deltas carry the next fragment of the
   arguments' JSON text, exactly as generated (trailing whitespace is held until more follows).
   A call whose arguments come before its name is sent once its name is known.
-- An unterminated call (max_tokens) keeps the arguments generated so far.
+- An unterminated call (max_tokens) keeps the arguments generated so far, and nothing more: a
+  call cut before its arguments has none ("" rather than an invented "{}"), and it is not
+  `complete` (a call whose object closed without arguments has "{}").
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class ParsedCall:
     id: str
     name: str
     arguments: str = ""
+    complete: bool = False  # its JSON object closed: the arguments are whole
 
 
 @dataclass
@@ -258,7 +261,7 @@ class ToolCallParser:
     def _send_arguments(self, obj: _Object, closed: bool) -> None:
         key = next((k for k in _ARGUMENT_KEYS if k in obj.values or obj.key == k), None)
         if key is None:
-            if closed and not obj.sent:
+            if closed and not obj.sent:  # an object without arguments
                 self._append_arguments(obj, "{}")
             return
         raw = obj.values.get(key)
@@ -280,9 +283,12 @@ class ToolCallParser:
     def _close_object(self) -> None:
         obj = self._object
         assert obj is not None
-        if obj.depth > 0 and not obj.in_string:  # cut short (end tag or end of output)
+        closed = obj.depth == 0
+        if not closed and not obj.in_string:  # cut short (end tag or end of output)
             obj.end_value(len(obj.text))
-        self._announce(obj, closed=True)
+        self._announce(obj, closed)
+        if closed and obj.call >= 0:
+            self.calls[obj.call].complete = True
         self._object = None
 
     def _take(self) -> tuple[str, list[ToolCallDelta]]:

@@ -112,3 +112,18 @@ def test_render_calls_round_trips_through_the_parser(fmt: str) -> None:
     calls = [("f", {"a": 1}), ("g", {"b": [True, None]})]
     text = FORMATS_BY_NAME[fmt].render_calls(calls)
     assert [(n, json.loads(a)) for _, n, a in parse(fmt, [text])[1]] == calls
+
+
+def test_a_call_cut_before_its_arguments_has_none_and_is_not_complete() -> None:
+    counter = itertools.count()
+    for text, arguments, complete in [('<tool_call>\n{"name": "f"', "", False),
+                                      ('<tool_call>\n{"name": "f", "argu', "", False),
+                                      ('<tool_call>\n{"name": "f", "arguments": {"a": 1', '{"a": 1', False),
+                                      ('<tool_call>\n{"name": "f"}', "{}", True),  # no arguments, closed
+                                      ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}', '{"a": 1}', True)]:
+        for pieces in ([text], list(text)):
+            parser = ToolCallParser(FORMATS_BY_NAME["hermes"], lambda: f"call_{next(counter)}")
+            for piece in pieces:
+                parser.feed(piece)
+            parser.finish()
+            assert [(c.name, c.arguments, c.complete) for c in parser.calls] == [("f", arguments, complete)], text

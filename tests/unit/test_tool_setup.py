@@ -134,6 +134,19 @@ def test_output_processor_splits_calls_and_sets_the_finish_reason(caplog) -> Non
     assert OutputProcessor("r2", setup).finish(0, "length")[2] == "length"
 
 
+def test_a_call_cut_short_by_max_tokens_is_not_validated(caplog) -> None:
+    """A call cut by max_tokens is no schema violation: only the calls that closed are checked."""
+    seen = []
+    out = OutputProcessor("r4", tool_setup(request(), SMOL), on_validated=lambda what, ok: seen.append((what, ok)))
+    out.feed(0, '<tool_call>[{"name": "get_weather", "arguments": {"town": "Paris"}}, '
+                '{"name": "get_weather", "arguments": {"city": "Par')
+    with caplog.at_level(logging.WARNING):
+        last, calls, reason = out.finish(0, "length")
+    assert [(c.arguments, c.complete) for c in calls] == [('{"town": "Paris"}', True), ('{"city": "Par', False)]
+    assert reason == "length" and seen == [("tool_call", False)]  # the first call only
+    assert caplog.text.count("does not match its schema") == 1 and "'city' is a required property" in caplog.text
+
+
 def test_json_schema_output_is_validated_afterwards(caplog) -> None:
     req = pb.GenerateRequest(text="x", json_schema=json.dumps({"type": "array", "uniqueItems": True}))
     out = convert.output_processor(req, "r3", None)
