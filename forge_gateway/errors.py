@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from typing import Any
 
 import grpc
 from fastapi.responses import JSONResponse
 
-from forge_service.errors import ERROR_KIND_KEY
+from forge_service.errors import ERROR_FIELD_KEY, ERROR_KIND_KEY
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +53,35 @@ class GatewayError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+# GenerateRequest fields whose OpenAI parameter has another name (sampling.* and stopping.* keep
+# theirs; chat.messages[i]... is messages[i]...).
+_PARAMS = {"text": "prompt", "token_ids": "prompt", "chat": "messages", "json_schema": "response_format",
+           "json_object": "response_format", "regex": "guided_regex", "choice": "guided_choice",
+           "grammar": "guided_grammar"}
+
+
+def openai_param(field: str | None) -> str | None:
+    """The OpenAI parameter of a GenerateRequest field path, as the service names it in an
+    error's trailing metadata: stopping.max_tokens -> max_tokens, chat -> messages,
+    chat.messages[2].content -> messages[2].content, text -> prompt."""
+    if not field:
+        return None
+    head, rest = re.match(r"([^.\[]*)(.*)", field).groups()
+    if head in ("sampling", "stopping", "chat") and rest.startswith("."):
+        return rest[1:]
+    return _PARAMS.get(head, head) + rest
+
+
 def from_grpc(error: grpc.aio.AioRpcError) -> GatewayError:
+    """The OpenAI error for a failed call: status and type by its code; param and code from the
+    field and kind the service marks it with (e.g. messages, context_length_exceeded)."""
     status, type_, code = GRPC_TO_HTTP.get(error.code(), (500, "server_error", None))
     if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not _queue_full(error):
         # gRPC's own RESOURCE_EXHAUSTED (a message over its size limit) cannot succeed on a retry.
         status, type_, code = 413, "invalid_request_error", "request_too_large"
-    return GatewayError(status, error.details() or error.code().name, type_, code=code)
+    marks = dict(tuple(error.trailing_metadata() or ()))
+    return GatewayError(status, error.details() or error.code().name, type_,
+                        param=openai_param(marks.get(ERROR_FIELD_KEY)), code=marks.get(ERROR_KIND_KEY) or code)
 
 
 def _queue_full(error: grpc.aio.AioRpcError) -> bool:

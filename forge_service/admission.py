@@ -12,7 +12,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
-from forge_service.errors import InvalidArgument, QueueFull
+from forge_service.errors import CONTEXT_LENGTH_EXCEEDED, InvalidArgument, QueueFull
 
 T = TypeVar("T")
 
@@ -94,4 +94,5 @@ def check_prompt_chars(chars: int, longest: int | None, max_model_len: int) -> N
         raise InvalidArgument(
             f"the prompt has {chars} characters, so at least {at_least} tokens (no token is longer than "
             f"{longest} characters), but the model's context length is {max_model_len} and at least one token "
-            f"must be generated: shorten the prompt (by {at_least - max_model_len + 1} tokens or more)")
+            f"must be generated: shorten the prompt (by {at_least - max_model_len + 1} tokens or more)",
+            kind=CONTEXT_LENGTH_EXCEEDED)

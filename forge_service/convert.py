@@ -1,12 +1,13 @@
 """Proto messages <-> engine types, for the servicer. Pure functions and small accumulators."""
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from forge_service.engine.request import SamplingParams
-from forge_service.errors import InvalidArgument
+from forge_service.errors import CONTEXT_LENGTH_EXCEEDED, ForgeError, InvalidArgument, blame
 from forge_service.pb import forge_pb2 as pb
 from forge_service.structured.constraint import Constraint
 from forge_service.structured.schema import close_objects
@@ -20,6 +21,27 @@ FINISH_REASONS = {
     "abort": pb.FINISH_REASON_ABORT,
     "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
 }
+
+
+# SamplingParams' attributes that do not come from sampling.<name>: the GenerateRequest field each does.
+_REQUEST_FIELDS = {"n": "n", "max_tokens": "stopping.max_tokens", "stop": "stopping.stop",
+                   "stop_token_ids": "stopping.stop_token_ids", "ignore_eos": "stopping.ignore_eos",
+                   "logprobs": "top_logprobs", "num_speculative_tokens": "num_speculative_tokens"}
+_SAMPLING_FIELDS = {f.name for f in pb.SamplingParameters.DESCRIPTOR.fields}
+
+
+@contextlib.contextmanager
+def request_fields() -> Iterator[None]:
+    """Errors of SamplingParams' checks, which name an attribute as their field, name the
+    GenerateRequest field it came from instead (temperature -> sampling.temperature)."""
+    try:
+        yield
+    except ForgeError as error:
+        if error.field in _REQUEST_FIELDS:
+            error.field = _REQUEST_FIELDS[error.field]
+        elif error.field in _SAMPLING_FIELDS:
+            error.field = f"sampling.{error.field}"
+        raise
 
 
 def _f32(value: float) -> float:
@@ -44,7 +66,7 @@ def sampling_params(request: pb.GenerateRequest, setup: ToolSetup | None = None)
     """The request's SamplingParams, with the proto's documented defaults for unset fields."""
     s, t = request.sampling, request.stopping
     if request.top_logprobs and not request.logprobs:
-        raise InvalidArgument(f"top_logprobs={request.top_logprobs} needs logprobs=true")
+        raise InvalidArgument(f"top_logprobs={request.top_logprobs} needs logprobs=true", field="top_logprobs")
     return SamplingParams(
         n=request.n or 1,
         temperature=_f32(s.temperature) if s.HasField("temperature") else 1.0,
@@ -73,12 +95,13 @@ def constraint(request: pb.GenerateRequest) -> Constraint | None:
     kind = request.WhichOneof("constraint")
     if kind is None or (kind == "json_object" and not request.json_object):
         return None
-    if kind == "choice":
-        return Constraint("choice", json.dumps(list(request.choice.choices)))
-    if kind == "json_schema" and request.json_schema_strict:
-        schema = _json_schema(request)
-        return Constraint(kind, json.dumps(close_objects(schema)) if schema is not None else request.json_schema)
-    return Constraint(kind, "" if kind == "json_object" else getattr(request, kind))
+    with blame(kind):
+        if kind == "choice":
+            return Constraint("choice", json.dumps(list(request.choice.choices)))
+        if kind == "json_schema" and request.json_schema_strict:
+            schema = _json_schema(request)
+            return Constraint(kind, json.dumps(close_objects(schema)) if schema is not None else request.json_schema)
+        return Constraint(kind, "" if kind == "json_object" else getattr(request, kind))
 
 
 def _json_schema(request: pb.GenerateRequest) -> Any | None:
@@ -114,7 +137,8 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Any, max_model_len:
     if len(ids) >= max_model_len:
         raise InvalidArgument(
             f"the prompt has {len(ids)} tokens, but the model's context length is {max_model_len} and at least "
-            f"one token must be generated: shorten the prompt by {len(ids) - max_model_len + 1} tokens")
+            f"one token must be generated: shorten the prompt by {len(ids) - max_model_len + 1} tokens",
+            kind=CONTEXT_LENGTH_EXCEEDED)
     return ids
 
 

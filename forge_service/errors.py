@@ -1,11 +1,27 @@
 """Typed errors. Each maps to one gRPC status code, in one place (`grpc_status`)."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 
 class ForgeError(Exception):
-    """Base class for errors that reach a client. `code` names a grpc.StatusCode member."""
+    """Base class for errors that reach a client. `code` names a grpc.StatusCode member.
+
+    Two optional marks travel as trailing metadata (`error_metadata`) for a client to act on
+    without parsing the message: `kind`, what went wrong (e.g. context_length_exceeded), and
+    `field`, the request field at fault as a GenerateRequest path (e.g. stopping.max_tokens)."""
 
     code = "INTERNAL"
+    kind: str | None = None
+    field: str | None = None
+
+    def __init__(self, *args: object, field: str | None = None, kind: str | None = None) -> None:
+        super().__init__(*args)
+        if field is not None:
+            self.field = field
+        if kind is not None:
+            self.kind = kind
 
 
 class InvalidArgument(ForgeError):
@@ -67,8 +83,13 @@ class ModelLoadError(ForgeError):
         self.reason = reason
 
 
-# Trailing-metadata key naming the kind of a typed error (only QueueFull sets one today).
+# Trailing-metadata keys: the kind of a typed error, and the request field it is about.
 ERROR_KIND_KEY = "forge-error-kind"
+ERROR_FIELD_KEY = "forge-error-field"
+# Kinds: a prompt (with max_tokens) longer than the context or the KV cache; a bound the
+# server's flags set (--max-messages, --max-total-tokens, ...); a full queue (QueueFull).
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+LIMIT_EXCEEDED = "limit_exceeded"
 # Bound on a status message on the wire. gRPC sends it percent-encoded in the grpc-message trailer,
 # and a client refuses trailers over its metadata limit (8 KiB by default) with RESOURCE_EXHAUSTED.
 MAX_DETAILS_WIRE_BYTES = 2000
@@ -102,9 +123,22 @@ def bounded_details(message: str, limit: int = MAX_DETAILS_WIRE_BYTES) -> str:
 
 
 def error_metadata(error: BaseException) -> tuple[tuple[str, str], ...]:
-    """Trailing metadata for a typed error: its kind, when it has one."""
-    kind = getattr(error, "kind", None)
-    return ((ERROR_KIND_KEY, kind),) if isinstance(error, ForgeError) and kind else ()
+    """Trailing metadata for a typed error: its kind and its field, where it has them."""
+    if not isinstance(error, ForgeError):
+        return ()
+    return tuple((key, value) for key, value in ((ERROR_KIND_KEY, error.kind), (ERROR_FIELD_KEY, error.field))
+                 if value)
+
+
+@contextlib.contextmanager
+def blame(field: str | None) -> Iterator[None]:
+    """Typed errors raised inside that name no field of their own are about `field`."""
+    try:
+        yield
+    except ForgeError as error:
+        if error.field is None:
+            error.field = field
+        raise
 
 
 def grpc_status(error: BaseException):

@@ -24,8 +24,8 @@ from forge_service import auth, convert, limits
 from forge_service.admission import TokenizerPool, check_prompt_chars, longest_token_chars
 from forge_service.config import EngineConfig, ServiceConfig, malloc_arenas
 from forge_service.engine.async_engine import AsyncEngine, SyncEngine
-from forge_service.errors import ForgeError, ModelNotFound, QueueFull, StartupError, Unavailable, bounded_details, \
-    error_metadata, excerpt, grpc_status
+from forge_service.errors import ForgeError, ModelNotFound, QueueFull, StartupError, Unavailable, blame, \
+    bounded_details, error_metadata, excerpt, grpc_status
 from forge_service.metrics import ServiceMetrics, metrics_endpoint
 from forge_service.rpc_observer import RpcRecord, observe_rpc
 from forge_service.tracing import MonotonicClock, traced
@@ -148,16 +148,25 @@ class ForgeServicer(pb_grpc.ForgeServicer):
 async def _prepare(request: pb.GenerateRequest, model: LoadedModel, config: ServiceConfig,
                    pool: TokenizerPool) -> _Prepared:
     if request.model and request.model != model.name:
-        raise ModelNotFound(f"model {excerpt(request.model)} is not served here; this server serves {model.name!r}")
+        raise ModelNotFound(f"model {excerpt(request.model)} is not served here; this server serves {model.name!r}",
+                            field="model")
+    # An error names the request field at fault (trailing metadata, see errors.py); where its
+    # raiser does not, it is the stage's: the input (text | chat | token_ids), the constraint.
+    source = request.WhichOneof("input")
     limits.check_request(request, config.limits)
-    check_prompt_chars(_prompt_chars(request), model.longest_token_chars, model.max_model_len)
+    with blame(source):
+        check_prompt_chars(_prompt_chars(request), model.longest_token_chars, model.max_model_len)
     tools = convert.tools(request, model.tokenizer)
-    params = convert.sampling_params(request, tools)
-    params.validate(model.tokenizer.vocab_size)
-    prompt = await pool.run(convert.prompt_token_ids, request, model.tokenizer, model.max_model_len, tools)
+    with convert.request_fields():
+        params = convert.sampling_params(request, tools)
+        params.validate(model.tokenizer.vocab_size)
+    with blame(source):
+        prompt = await pool.run(convert.prompt_token_ids, request, model.tokenizer, model.max_model_len, tools)
     limits.check_total_tokens(params.n, params.max_tokens or model.max_model_len - len(prompt), config.limits)
-    model.engine.validate(prompt, params)  # prompt + max_tokens against the context and the KV cache
-    await model.engine.compile_constraint(params)  # structured output: compiled before it is queued
+    with convert.request_fields(), blame(source):
+        model.engine.validate(prompt, params)  # prompt + max_tokens against the context and the KV cache
+    with blame(request.WhichOneof("constraint") or ("tools" if tools is not None else None)):
+        await model.engine.compile_constraint(params)  # structured output: compiled before it is queued
     request_id = request.request_id or uuid.uuid4().hex
     return _Prepared(request_id, prompt, params, convert.output_processor(request, request_id, tools))
 

@@ -17,7 +17,7 @@ from forge_service.engine.output_types import CompletionOutput, RequestOutput
 from forge_service.engine.request import Request, RequestStatus, SamplingParams
 from forge_service.engine.outputs import ScheduledChunk, SchedulerOutput
 from forge_service.engine.scheduler import Scheduler
-from forge_service.errors import InvalidArgument, QueueFull
+from forge_service.errors import CONTEXT_LENGTH_EXCEEDED, InvalidArgument, QueueFull
 from forge_service.kv_cache.manager import KVCacheManager
 from forge_service.loaders import Checkpoint, default_model_path, load_checkpoint
 from forge_service.models.registry import build_model
@@ -171,7 +171,8 @@ class LLMEngine:
         params.validate(self.arch.vocab_size)
         if params.constraint is not None and set(params.stop_token_ids) - set(self.eos_token_ids):
             raise InvalidArgument("stop_token_ids cannot be combined with structured output: a stop token could "
-                                  "cut the output short of its grammar (stop strings end it only where it is complete)")
+                                  "cut the output short of its grammar (stop strings end it only where it is complete)",
+                                  field="stop_token_ids")
         if not prompt:
             raise InvalidArgument("the prompt is empty: it needs at least one token")
         bad = [t for t in prompt if not 0 <= t < self.arch.vocab_size]
@@ -182,12 +183,12 @@ class LLMEngine:
         if wanted > limit:
             raise InvalidArgument(
                 f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: {wanted} tokens exceed "
-                f"the model's context length of {limit} by {wanted - limit}")
+                f"the model's context length of {limit} by {wanted - limit}", kind=CONTEXT_LENGTH_EXCEEDED)
         capacity = self.kv.block_size * self.runner.num_blocks
         if wanted > capacity:
             raise InvalidArgument(
                 f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: {wanted} tokens exceed "
-                f"the KV cache's capacity of {capacity} tokens by {wanted - capacity}")
+                f"the KV cache's capacity of {capacity} tokens by {wanted - capacity}", kind=CONTEXT_LENGTH_EXCEEDED)
 
     def abort_request(self, request_id: str, reason: str = "abort") -> None:
         """End a request early; `reason` ("abort", or "error" when the engine failed) is what

@@ -57,39 +57,48 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise InvalidArgument naming the first parameter out of range."""
+        """Raise InvalidArgument naming the first parameter out of range (its `field`: the
+        attribute's name)."""
         checks = [
-            (self.n >= 1, f"n must be >= 1, got {self.n}"),
-            (self.n <= 16, f"n must be <= 16, got {self.n}"),
-            (0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (0.0 < self.repetition_penalty <= 10.0, f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
+            (self.n >= 1, "n", f"n must be >= 1, got {self.n}"),
+            (self.n <= 16, "n", f"n must be <= 16, got {self.n}"),
+            (0.0 <= self.temperature <= 100.0, "temperature",
+             f"temperature must be in [0, 100], got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, "top_k", f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty",
+             f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+             f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
              f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
-            (len(self.stop) <= 16, f"at most 16 stop strings, got {len(self.stop)}"),
-            (self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 64,
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
+            (len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}"),
+            (self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 64, "num_speculative_tokens",
              f"num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens}"),
         ]
-        for ok, message in checks:
+        for ok, name, message in checks:
             if not ok:
-                raise InvalidArgument(message)
+                raise InvalidArgument(message, field=name)
         self._validate_token_ids(vocab_size)
 
     def _validate_token_ids(self, vocab_size: int | None) -> None:
         for token_id, bias in (self.logit_bias or {}).items():
             if vocab_size is not None and not 0 <= int(token_id) < vocab_size:
-                raise InvalidArgument(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})")
+                raise InvalidArgument(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                                      field="logit_bias")
             if not -100.0 <= bias <= 100.0:
-                raise InvalidArgument(f"logit_bias for token {token_id} must be in [-100, 100], got {bias}")
+                raise InvalidArgument(f"logit_bias for token {token_id} must be in [-100, 100], got {bias}",
+                                      field="logit_bias")
         for token_id in self.stop_token_ids:
             if vocab_size is not None and not 0 <= token_id < vocab_size:
-                raise InvalidArgument(f"stop_token_ids entry {token_id} is outside the vocabulary [0, {vocab_size})")
+                raise InvalidArgument(f"stop_token_ids entry {token_id} is outside the vocabulary [0, {vocab_size})",
+                                      field="stop_token_ids")
 
 
 @dataclass

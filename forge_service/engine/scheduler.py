@@ -6,7 +6,7 @@ from collections import deque
 from forge_service.config import SchedulerConfig, SpeculativeConfig
 from forge_service.engine.outputs import ScheduledChunk, SchedulerOutput
 from forge_service.engine.request import Request, RequestStatus
-from forge_service.errors import InvalidArgument
+from forge_service.errors import CONTEXT_LENGTH_EXCEEDED, InvalidArgument
 from forge_service.kv_cache.manager import KVCacheManager
 from forge_service.speculative.proposer import NgramProposer
 
@@ -72,7 +72,7 @@ class Scheduler:
         if not self.can_ever_fit(request.num_tokens):
             raise InvalidArgument(
                 f"the prompt needs {request.num_tokens} tokens of KV cache; it holds "
-                f"{self.kv.num_blocks * self.kv.block_size}")
+                f"{self.kv.num_blocks * self.kv.block_size}", kind=CONTEXT_LENGTH_EXCEEDED)
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)

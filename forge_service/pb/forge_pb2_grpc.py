@@ -28,6 +28,13 @@ if _version_not_supported:
 class ForgeStub:
     """The generation service. Besides it, the server speaks grpc.health.v1 ("" is liveness,
     "forge.v1.Forge" is readiness) and server reflection.
+
+    A refused request's status carries trailing metadata: `forge-error-field`, the GenerateRequest
+    field at fault as a path ("stopping.max_tokens", "chat.messages[2].content", "json_schema"),
+    and, where a client can act on it, `forge-error-kind`: "context_length_exceeded" (INVALID_ARGUMENT:
+    the prompt, or the prompt with max_tokens, does not fit the context or the KV cache),
+    "limit_exceeded" (INVALID_ARGUMENT: a bound the server's flags set), "queue_full"
+    (RESOURCE_EXHAUSTED: retry later; any other RESOURCE_EXHAUSTED is a message too large).
     """
 
     def __init__(self, channel):
@@ -61,6 +68,13 @@ class ForgeStub:
 class ForgeServicer:
     """The generation service. Besides it, the server speaks grpc.health.v1 ("" is liveness,
     "forge.v1.Forge" is readiness) and server reflection.
+
+    A refused request's status carries trailing metadata: `forge-error-field`, the GenerateRequest
+    field at fault as a path ("stopping.max_tokens", "chat.messages[2].content", "json_schema"),
+    and, where a client can act on it, `forge-error-kind`: "context_length_exceeded" (INVALID_ARGUMENT:
+    the prompt, or the prompt with max_tokens, does not fit the context or the KV cache),
+    "limit_exceeded" (INVALID_ARGUMENT: a bound the server's flags set), "queue_full"
+    (RESOURCE_EXHAUSTED: retry later; any other RESOURCE_EXHAUSTED is a message too large).
     """
 
     def Generate(self, request, context):
@@ -126,6 +140,13 @@ def add_ForgeServicer_to_server(servicer, server):
 class Forge:
     """The generation service. Besides it, the server speaks grpc.health.v1 ("" is liveness,
     "forge.v1.Forge" is readiness) and server reflection.
+
+    A refused request's status carries trailing metadata: `forge-error-field`, the GenerateRequest
+    field at fault as a path ("stopping.max_tokens", "chat.messages[2].content", "json_schema"),
+    and, where a client can act on it, `forge-error-kind`: "context_length_exceeded" (INVALID_ARGUMENT:
+    the prompt, or the prompt with max_tokens, does not fit the context or the KV cache),
+    "limit_exceeded" (INVALID_ARGUMENT: a bound the server's flags set), "queue_full"
+    (RESOURCE_EXHAUSTED: retry later; any other RESOURCE_EXHAUSTED is a message too large).
     """
 
     @staticmethod

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from forge_service.errors import InvalidArgument
+from forge_service.errors import InvalidArgument, blame
 from forge_service.pb import forge_pb2 as pb
 from forge_service.structured.constraint import Constraint
 from forge_service.structured.schema import check_schema, close_objects
@@ -62,25 +62,32 @@ class ToolSetup:
 
 def tool_setup(request: pb.GenerateRequest, template_source: str | None,
                format_name: str | None = None) -> ToolSetup | None:
-    """The request's ToolSetup, or None when it has no tools. Raises InvalidArgument."""
+    """The request's ToolSetup, or None when it has no tools. Raises InvalidArgument (about tools
+    where it names no other field)."""
+    with blame("tools"):
+        return _tool_setup(request, template_source, format_name)
+
+
+def _tool_setup(request: pb.GenerateRequest, template_source: str | None, format_name: str | None) -> ToolSetup | None:
     choice = request.tool_choice if request.HasField("tool_choice") else None
     if not request.tools:
         if choice is not None and choice.mode != pb.TOOL_CHOICE_MODE_NONE:
-            raise InvalidArgument("tool_choice is set but the request has no tools")
+            raise InvalidArgument("tool_choice is set but the request has no tools", field="tool_choice")
         return None
     if request.WhichOneof("input") != "chat":
         raise InvalidArgument("tools need chat input (messages)")
     tools = _tools(request.tools)
     mode = _MODES.get(choice.mode if choice else 0)
     if mode is None:
-        raise InvalidArgument(f"unknown tool_choice mode {choice.mode}")
+        raise InvalidArgument(f"unknown tool_choice mode {choice.mode}", field="tool_choice")
     function = choice.function_name if choice else ""
     if mode == "function" and function not in {t.name for t in tools}:
         raise InvalidArgument(f"tool_choice names the function {function!r}, which is not among the tools "
-                              f"({', '.join(t.name for t in tools)})")
+                              f"({', '.join(t.name for t in tools)})", field="tool_choice")
     if mode != "none" and request.WhichOneof("constraint") is not None:
         raise InvalidArgument("tool_choice other than none cannot be combined with a structured output "
-                              "constraint (response_format); set tool_choice to none or drop one of them")
+                              "constraint (response_format); set tool_choice to none or drop one of them",
+                              field="tool_choice")
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
     return ToolSetup(tools, mode, function, parallel, select_format(template_source, format_name),
                      renders_tools_natively(template_source))

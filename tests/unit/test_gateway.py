@@ -19,6 +19,7 @@ import uvicorn
 from forge_gateway import convert
 from forge_gateway.app import create_app
 from forge_gateway.config import GatewayConfig
+from forge_gateway.errors import openai_param
 from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
 
@@ -31,7 +32,12 @@ ERRORS = {
     "bad-arg": (S.INVALID_ARGUMENT, "top_p must be in (0, 1], got 5.0"),
     "crash": (S.INTERNAL, "internal error [error id abc123]"),
     "too-slow": (S.DEADLINE_EXCEEDED, "the deadline passed before generation finished"),
+    "too-long": (S.INVALID_ARGUMENT, "the prompt has 9031 tokens, but the model's context length is 8192"),
 }
+# Trailing metadata the service marks an error with (kind, field), by prompt.
+MARKS = {"queue-full": (("forge-error-kind", "queue_full"),),
+         "too-long": (("forge-error-kind", "context_length_exceeded"), ("forge-error-field", "chat")),
+         "bad-arg": (("forge-error-field", "sampling.top_p"),)}
 
 
 def prompt_of(request: pb.GenerateRequest) -> str:
@@ -56,8 +62,8 @@ class FakeForge(pb_grpc.ForgeServicer):
         if request.model == "missing":
             context.abort(S.NOT_FOUND, "model 'missing' is not served here; this server serves 'fake-model'")
         prompt = prompt_of(request)
-        if prompt == "queue-full":  # the service marks its one retryable RESOURCE_EXHAUSTED
-            context.set_trailing_metadata((("forge-error-kind", "queue_full"),))
+        if prompt in MARKS:  # e.g. the service marks its one retryable RESOURCE_EXHAUSTED
+            context.set_trailing_metadata(MARKS[prompt])
         if prompt in ERRORS:
             context.abort(*ERRORS[prompt])
         if prompt == "slow":
@@ -325,17 +331,18 @@ def test_request_id_header_reaches_the_service(http: httpx.Client, fake: FakeFor
 
 # ---- errors --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("prompt, status, code", [
-    ("queue-full", 429, "queue_full"), ("too-large", 413, "request_too_large"), ("draining", 503, "unavailable"),
-    ("bad-arg", 400, None),
-    ("crash", 500, None), ("too-slow", 504, "deadline_exceeded")])
+@pytest.mark.parametrize("prompt, status, code, param", [
+    ("queue-full", 429, "queue_full", None), ("too-large", 413, "request_too_large", None),
+    ("draining", 503, "unavailable", None), ("bad-arg", 400, None, "top_p"),
+    ("too-long", 400, "context_length_exceeded", "messages"),
+    ("crash", 500, None, None), ("too-slow", 504, "deadline_exceeded", None)])
 @pytest.mark.parametrize("stream", [False, True])
 def test_grpc_status_maps_to_http(http: httpx.Client, fake: FakeForge, prompt: str, status: int,
-                                  code: str | None, stream: bool) -> None:
+                                  code: str | None, param: str | None, stream: bool) -> None:
     response = http.post("/v1/chat/completions", json=chat_body(prompt, stream=stream))
     assert response.status_code == status
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code
+    assert set(error) == {"message", "type", "param", "code"} and (error["code"], error["param"]) == (code, param)
     assert error["message"] == ERRORS[prompt][1]
     if status in (429, 503):
         assert response.headers["retry-after"] == "3"
@@ -482,3 +489,13 @@ def test_gateway_bug_is_500_with_a_logged_id(stack: tuple, monkeypatch: pytest.M
     message = response.json()["error"]["message"]
     error_id = message.split("error id ")[1].rstrip("]")
     assert any(error_id in record.getMessage() and record.exc_info for record in caplog.records)
+
+
+@pytest.mark.parametrize("field, param", [
+    ("stopping.max_tokens", "max_tokens"), ("sampling.logit_bias", "logit_bias"), ("stopping.stop[1]", "stop[1]"),
+    ("chat", "messages"), ("chat.messages[2].content", "messages[2].content"), ("text", "prompt"),
+    ("token_ids", "prompt"), ("json_schema", "response_format"), ("json_object", "response_format"),
+    ("regex", "guided_regex"), ("choice", "guided_choice"), ("grammar", "guided_grammar"), ("tools", "tools"),
+    ("tool_choice", "tool_choice"), ("n", "n"), ("top_logprobs", "top_logprobs"), ("", None), (None, None)])
+def test_a_request_field_maps_to_the_openai_parameter_it_came_from(field: str | None, param: str | None) -> None:
+    assert openai_param(field) == param

@@ -167,26 +167,27 @@ LIMITS = LimitsConfig(max_messages=3, max_message_chars=100, max_stop_chars=5, m
                       max_logit_bias=2)
 
 
-@pytest.mark.parametrize("request_, words", [
+@pytest.mark.parametrize("request_, words, field", [
     (pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="x")] * 4)),
-     "4 messages; at most 3 are accepted (--max-messages)"),
+     "4 messages; at most 3 are accepted (--max-messages)", "chat.messages"),
     (pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="x" * 101)])),
-     "chat.messages[0].content has 101 characters; at most 100"),
-    (pb.GenerateRequest(text="y" * 101), "the text prompt has 101 characters"),
+     "chat.messages[0].content has 101 characters; at most 100", "chat.messages[0].content"),
+    (pb.GenerateRequest(text="y" * 101), "the text prompt has 101 characters", "text"),
     (pb.GenerateRequest(text="z", stopping=pb.StoppingParameters(stop=["ok", "toolong"])),
-     "stopping.stop[1] 'toolong' is longer than 5 characters (--max-stop-chars)"),
+     "stopping.stop[1] 'toolong' is longer than 5 characters (--max-stop-chars)", "stopping.stop[1]"),
     (pb.GenerateRequest(text="z", n=4, stopping=pb.StoppingParameters(max_tokens=13)),
-     "n x max_tokens = 4 x 13 = 52 exceeds 50 (--max-total-tokens)"),
-    (pb.GenerateRequest(text="z", n=2), "n x max_tokens = 2 x 127 = 254 exceeds 50"),  # unset: the context left
+     "n x max_tokens = 4 x 13 = 52 exceeds 50 (--max-total-tokens)", "n"),
+    (pb.GenerateRequest(text="z", n=2), "n x max_tokens = 2 x 127 = 254 exceeds 50", "n"),  # unset: the context left
     (pb.GenerateRequest(text="z", sampling=pb.SamplingParameters(logit_bias={1: 1.0, 2: 1.0, 3: 1.0})),
-     "logit_bias has 3 entries; at most 2 are accepted (--max-logit-bias)"),
+     "logit_bias has 3 entries; at most 2 are accepted (--max-logit-bias)", "sampling.logit_bias"),
 ])
-def test_limits_are_invalid_argument_naming_the_flag(request_: pb.GenerateRequest, words: str) -> None:
+def test_limits_are_invalid_argument_naming_the_flag(request_: pb.GenerateRequest, words: str, field: str) -> None:
     fake = FakeEngine()
 
     async def body(stub: pb_grpc.ForgeStub, channel: grpc.aio.Channel, service: ForgeService) -> None:
         error = await status_of(stub.Generate(request_))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and words in error.details(), error.details()
+        assert marks(error) == {"forge-error-kind": "limit_exceeded", "forge-error-field": field}
         ok = await stub.Generate(pb.GenerateRequest(text="fine", n=2, stopping=pb.StoppingParameters(max_tokens=25)))
         assert len(ok.choices) == 2
         one = await stub.Generate(pb.GenerateRequest(text="one", stopping=pb.StoppingParameters(max_tokens=60)))
@@ -219,10 +220,56 @@ def test_huge_invalid_input_gives_a_typed_status_with_a_bounded_message(fields: 
         error = await status_of(stub.Generate(text("hi", **fields)))
         assert error.code() == code, (error.code(), error.details()[:200])
         assert words in error.details() and len(error.details().encode()) <= MAX_DETAILS_WIRE_BYTES
-        assert not tuple(error.trailing_metadata() or ())  # not marked queue_full
+        assert "forge-error-kind" not in marks(error)  # not marked queue_full
         assert (await stub.Generate(text("ok"))).choices[0].text == "o"
 
     serve(body, TokenizingFake())
+
+
+TOOL = pb.Tool(name="f", parameters="{}")
+
+
+@pytest.mark.parametrize("fields, code, field, kind", [
+    ({"model": "other"}, grpc.StatusCode.NOT_FOUND, "model", None),
+    ({"sampling": pb.SamplingParameters(temperature=200)}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature",
+     None),
+    ({"sampling": pb.SamplingParameters(logit_bias={10 ** 6: 1.0})}, grpc.StatusCode.INVALID_ARGUMENT,
+     "sampling.logit_bias", None),
+    ({"stopping": pb.StoppingParameters(max_tokens=0)}, grpc.StatusCode.INVALID_ARGUMENT, "stopping.max_tokens", None),
+    ({"stopping": pb.StoppingParameters(stop_token_ids=[10 ** 6])}, grpc.StatusCode.INVALID_ARGUMENT,
+     "stopping.stop_token_ids", None),
+    ({"n": 17}, grpc.StatusCode.INVALID_ARGUMENT, "n", None),
+    ({"top_logprobs": 3}, grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs", None),
+    ({"num_speculative_tokens": 65}, grpc.StatusCode.INVALID_ARGUMENT, "num_speculative_tokens", None),
+    ({"tool_choice": pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED)}, grpc.StatusCode.INVALID_ARGUMENT,
+     "tool_choice", None),
+    ({"tools": [TOOL]}, grpc.StatusCode.INVALID_ARGUMENT, "tools", None),  # tools need chat input
+    ({"regex": "("}, grpc.StatusCode.INVALID_ARGUMENT, "regex", None),
+    ({"json_schema": "{"}, grpc.StatusCode.INVALID_ARGUMENT, "json_schema", None),
+    ({"text": "a" * 200}, grpc.StatusCode.INVALID_ARGUMENT, "text", "context_length_exceeded"),  # by its characters
+    ({"chat": pb.ChatInput(messages=[pb.ChatMessage(role="user", content="b" * 120)])},  # by its tokens, templated
+     grpc.StatusCode.INVALID_ARGUMENT, "chat", "context_length_exceeded"),
+    ({"token_ids": pb.TokenIds(ids=[1] * 300)}, grpc.StatusCode.INVALID_ARGUMENT, "token_ids",
+     "context_length_exceeded"),
+    ({"chat": pb.ChatInput()}, grpc.StatusCode.INVALID_ARGUMENT, "chat", None),
+])
+def test_an_error_names_the_request_field_at_fault_and_its_kind(fields: dict, code: grpc.StatusCode, field: str,
+                                                                kind: str | None) -> None:
+    """Trailing metadata forge-error-field: the GenerateRequest path of the field at fault, and
+    forge-error-kind where a client may act on it (a prompt too long for the context)."""
+    async def body(stub: pb_grpc.ForgeStub, channel: grpc.aio.Channel, service: ForgeService) -> None:
+        request = pb.GenerateRequest(stopping=pb.StoppingParameters(max_tokens=1))
+        request.MergeFrom(pb.GenerateRequest(**({"text": "hi"} if not {"text", "chat", "token_ids"} & set(fields)
+                                                 else {}), **fields))
+        error = await status_of(stub.Generate(request))
+        assert error.code() == code, error.details()
+        assert marks(error) == {"forge-error-field": field, **({"forge-error-kind": kind} if kind else {})}
+
+    serve(body, TokenizingFake(max_model_len=128), NO_CHAR_LIMIT)
+
+
+def marks(error: grpc.aio.AioRpcError) -> dict[str, str]:
+    return dict(tuple(error.trailing_metadata() or ()))
 
 
 # ---- requests that do not parse --------------------------------------------------------------

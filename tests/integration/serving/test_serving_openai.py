@@ -243,12 +243,20 @@ def test_validation_errors_are_400_with_the_numbers(forge_server, openai_client,
     message = too_long.value.message
     assert f"the prompt has {n} tokens" in message and f"context length is {CONTEXT}" in message
     assert f"by {n - CONTEXT + 1} tokens" in message
+    assert (too_long.value.code, too_long.value.param) == ("context_length_exceeded", "prompt")
 
     m = len(llm_fp32.tokenizer.encode(TEXT))
     with pytest.raises(openai.BadRequestError) as too_many:
         openai_client.completions.create(model=model_name, prompt=TEXT, max_tokens=9000)
     assert (f"the prompt has {m} tokens and max_tokens is 9000: {m + 9000} tokens exceed the model's context "
             f"length of {CONTEXT} by {m + 9000 - CONTEXT}") in too_many.value.message
+    assert (too_many.value.code, too_many.value.param) == ("context_length_exceeded", "prompt")
+    with pytest.raises(openai.BadRequestError) as chat_too_many:
+        openai_client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=9000)
+    assert (chat_too_many.value.code, chat_too_many.value.param) == ("context_length_exceeded", "messages")
+    with pytest.raises(openai.BadRequestError) as bias:  # the service's check: the gateway knows no vocabulary
+        openai_client.chat.completions.create(model=model_name, messages=CHAT, logit_bias={"999999": 1})
+    assert bias.value.param == "logit_bias" and "outside the vocabulary" in bias.value.message
 
 
 def test_unknown_model_is_404(openai_client) -> None:
