@@ -2,11 +2,14 @@
 
 One `forge serve --speculative ngram` (the default model, bf16); "off" requests opt out with
 `num_speculative_tokens: 0`, so both modes share the process, its warm-up and the machine's
-drift. Two workloads, one after the other:
+drift. Workloads, one after the other:
 
-    grounded  the answer copies from the prompt: repeat or edit code and text, summaries that
-              quote the document, JSON extracted from a given document
-    open      open chat with nothing to copy
+    grounded   the answer copies from the prompt: repeat or edit code and text, summaries that
+               quote the document, JSON extracted from a given document
+    open       open chat with nothing to copy
+    predicted  open chat asked again: each request sends the answer its prompt got before (with
+               another request number) as OpenAI's `prediction`, as a client regenerating an
+               answer or re-running an agent's step would; `--workloads grounded,open` leaves it out
 
 Each (workload, concurrency) cell runs --rounds rounds; a round runs on and off back to back
 (alternating which goes first), each over --requests-per-stream x concurrency requests. Every
@@ -94,18 +97,31 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[s
     return {"completion": usage["completion_tokens"], "drafted": accepted + rejected, "accepted": accepted}
 
 
-async def one_run(client: httpx.AsyncClient, model: str, prompts: list[str], concurrency: int, num: int,
-                  max_tokens: int, spec: bool, numbers: itertools.count) -> dict[str, float]:
-    """`num` requests over `concurrency` streams; tok/s over the wall time, summed usage."""
+async def answer(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> str:
+    """The greedy answer to `prompt` asked once before the runs (request number -1)."""
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "num_speculative_tokens": 0,
+            "messages": [{"role": "user", "content": f"Request -1. {prompt}"}]}
+    response = await client.post("/v1/chat/completions", json=body)
+    response.raise_for_status()
+    return response.json()["choices"][0]["message"]["content"]
+
+
+async def one_run(client: httpx.AsyncClient, model: str, prompts: list[tuple[str, str | None]], concurrency: int,
+                  num: int, max_tokens: int, spec: bool, numbers: itertools.count) -> dict[str, float]:
+    """`num` requests over `concurrency` streams, of (prompt, predicted output or None); tok/s over
+    the wall time, summed usage."""
     todo = iter(range(num))
     totals = {"completion": 0, "drafted": 0, "accepted": 0}
 
     async def worker() -> None:
         for i in todo:
             n = next(numbers)
+            prompt, prediction = prompts[(n + i) % len(prompts)]
             body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                     "stream_options": {"include_usage": True},
-                    "messages": [{"role": "user", "content": f"Request {n}. {prompts[(n + i) % len(prompts)]}"}]}
+                    "messages": [{"role": "user", "content": f"Request {n}. {prompt}"}]}
+            if prediction is not None:
+                body["prediction"] = {"type": "content", "content": prediction}
             if not spec:
                 body["num_speculative_tokens"] = 0
             for key, value in (await one_request(client, body)).items():
@@ -122,8 +138,12 @@ async def measure(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=80)) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         for spec in (True, False):  # warm-up
-            await one_run(client, model, OPEN, 2, 2, 16, spec, numbers)
-        for workload, prompts in WORKLOADS.items():
+            await one_run(client, model, [(p, None) for p in OPEN], 2, 2, 16, spec, numbers)
+        workloads = {name: [(p, None) for p in prompts] for name, prompts in WORKLOADS.items()}
+        if "predicted" in args.workloads:
+            workloads["predicted"] = [(p, await answer(client, model, p, args.max_tokens)) for p in OPEN]
+        for workload in args.workloads:
+            prompts = workloads[workload]
             for c in args.concurrency:
                 runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
                 for r in range(args.rounds):
@@ -180,9 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--serve-args", default="", help="more `forge serve` flags, e.g. '--spec-max-draft 6'")
+    parser.add_argument("--workloads", type=lambda s: s.split(","), default=["grounded", "open", "predicted"])
     parser.add_argument("--step-rows", type=lambda s: [int(x) for x in s.split(",")], default=None,
                         help="instead: time engine steps at these row counts, e.g. 1,2,4,8,16,24,32")
     args = parser.parse_args(argv)
+    unknown = set(args.workloads) - {*WORKLOADS, "predicted"}
+    if unknown:
+        parser.error(f"unknown workloads {sorted(unknown)}; known: {', '.join(WORKLOADS)}, predicted")
     if args.step_rows:
         step_rows(args.step_rows)
         return 0

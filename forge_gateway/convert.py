@@ -43,7 +43,10 @@ def _stopping(req: _Common, max_tokens: int | None) -> pb.StoppingParameters:
 
 def _speculative(req: _Common) -> dict[str, Any]:
     n = req.num_speculative_tokens
-    return {} if n is None else {"num_speculative_tokens": n}
+    fields: dict[str, Any] = {} if n is None else {"num_speculative_tokens": n}
+    if req.prediction is not None:
+        fields["prediction"] = req.prediction.text()
+    return fields
 
 
 def constraint(req: _Common) -> dict[str, Any]:

@@ -58,6 +58,21 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class Prediction(BaseModel):
+    """OpenAI's predicted output: text the answer will repeat for the most part (a file being
+    edited). Drafting proposes from it; it changes no output, only how fast it comes."""
+
+    model_config = _CONFIG
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text or "" for part in self.content)
+        return self.content
+
+
 class StreamOptions(BaseModel):
     model_config = _CONFIG
 
@@ -117,6 +132,7 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     # Speculative decoding where the server runs it: the most tokens drafted per step; 0 opts out.
     num_speculative_tokens: int | None = Field(None, ge=0, le=64)
+    prediction: Prediction | None = None
     # Structured output: OpenAI's response_format, and vLLM's guided_* extensions (at most one).
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | bool | str | None = None  # a JSON Schema (object or JSON text)

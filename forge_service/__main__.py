@@ -70,7 +70,7 @@ SERVICE_FLAGS = [
     ("--max-pending-tokenize", "max_pending_tokenize", int,
      "requests waiting to be tokenized; past it RESOURCE_EXHAUSTED"),
     ("--max-messages", "max_messages", int, "chat messages per request"),
-    ("--max-message-chars", "max_message_chars", int, "characters per chat message or text prompt"),
+    ("--max-message-chars", "max_message_chars", int, "characters per chat message, text prompt or prediction"),
     ("--max-stop-chars", "max_stop_chars", int, "characters per stop string"),
     ("--max-total-tokens", "max_total_tokens", int, "bound on n x max_tokens"),
     ("--max-logit-bias", "max_logit_bias", int, "entries in logit_bias"),

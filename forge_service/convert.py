@@ -114,6 +114,11 @@ def _json_schema(request: pb.GenerateRequest) -> Any | None:
     return close_objects(schema) if request.json_schema_strict else schema
 
 
+def prediction_token_ids(request: pb.GenerateRequest, tokenizer: Any, max_model_len: int) -> list[int]:
+    """The predicted output's tokens, as many as an output can have (the context's)."""
+    return list(tokenizer.encode(request.prediction, add_special_tokens=False))[:max_model_len]
+
+
 def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Any, max_model_len: int,
                      setup: ToolSetup | None = None) -> list[int]:
     """Tokenize the request's input (rendering chat messages with the model's template)."""

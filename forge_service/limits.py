@@ -19,6 +19,8 @@ def check_request(request: pb.GenerateRequest, limits: LimitsConfig) -> None:
         for i, message in enumerate(messages):
             what = f"chat.messages[{i}].content"
             _check_chars(what, message.content, limits.max_message_chars, what)
+    if request.prediction:
+        _check_chars("prediction", request.prediction, limits.max_message_chars, "prediction")
     for i, stop in enumerate(request.stopping.stop):
         if len(stop) > limits.max_stop_chars:
             raise InvalidArgument(f"stopping.stop[{i}] {excerpt(stop, 40)} is longer than {limits.max_stop_chars} "

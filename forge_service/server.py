@@ -162,6 +162,10 @@ async def _prepare(request: pb.GenerateRequest, model: LoadedModel, config: Serv
         params.validate(model.tokenizer.vocab_size)
     with blame(source):
         prompt = await pool.run(convert.prompt_token_ids, request, model.tokenizer, model.max_model_len, tools)
+    if request.prediction:
+        with blame("prediction"):
+            params.prediction = await pool.run(convert.prediction_token_ids, request, model.tokenizer,
+                                               model.max_model_len)
     limits.check_total_tokens(params.n, params.max_tokens or model.max_model_len - len(prompt), config.limits)
     with convert.request_fields(), blame(source):
         model.engine.validate(prompt, params)  # prompt + max_tokens against the context and the KV cache

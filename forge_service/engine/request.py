@@ -41,6 +41,9 @@ class SamplingParams:
     # Speculative decoding: the most tokens to draft per step for this request; 0 turns it off,
     # None leaves the server's setting.
     num_speculative_tokens: int | None = None
+    # A predicted output (token ids): text the output is expected to repeat for the most part,
+    # which drafting proposes from first. It changes no output, only how fast it comes.
+    prediction: list[int] | None = None
 
     MAX_LOGPROBS = 20
 

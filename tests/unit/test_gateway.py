@@ -232,7 +232,8 @@ def test_chat_completion_with_every_parameter(client: openai.OpenAI, fake: FakeF
         messages=[{"role": "developer", "content": "be brief"},
                   {"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}],
         extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True,
-                    "num_speculative_tokens": 3})
+                    "num_speculative_tokens": 3},
+        prediction={"type": "content", "content": [{"type": "text", "text": "echo "}, {"type": "text", "text": "hi"}]})
     assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
     assert [c.message.content for c in response.choices] == ["echo hello 0", "echo hello 1"]
     assert response.choices[0].message.role == "assistant" and response.choices[0].finish_reason == "stop"
@@ -245,7 +246,7 @@ def test_chat_completion_with_every_parameter(client: openai.OpenAI, fake: FakeF
     assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (5, 2)
 
     [sent] = fake.requests
-    assert sent.num_speculative_tokens == 3
+    assert sent.num_speculative_tokens == 3 and sent.prediction == "echo hi"
     assert [(m.role, m.content) for m in sent.chat.messages] == [("system", "be brief"), ("user", "hello")]
     s, t = sent.sampling, sent.stopping
     assert (sent.n, s.seed, s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (
@@ -259,7 +260,7 @@ def test_chat_defaults_leave_optional_fields_unset(http: httpx.Client, fake: Fak
     http.post("/v1/chat/completions", json=chat_body(max_tokens=9)).raise_for_status()
     [sent] = fake.requests
     assert not sent.sampling.HasField("temperature") and not sent.sampling.HasField("seed")
-    assert not sent.HasField("num_speculative_tokens")
+    assert not sent.HasField("num_speculative_tokens") and sent.prediction == ""
     assert sent.stopping.max_tokens == 9 and sent.n == 1 and not sent.logprobs
 
 
@@ -383,6 +384,10 @@ def test_openai_client_sees_typed_errors(client: openai.OpenAI, fake: FakeForge)
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "num_speculative_tokens": 65},
      "num_speculative_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "prediction": {"type": "text", "content": "y"}},
+     "prediction.type"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "prediction": {"type": "content"}},
+     "prediction.content"),
 ])
 def test_validation_errors_are_400(http: httpx.Client, fake: FakeForge, body: dict, param: str | None) -> None:
     response = http.post("/v1/chat/completions", json=body)

@@ -173,6 +173,7 @@ LIMITS = LimitsConfig(max_messages=3, max_message_chars=100, max_stop_chars=5, m
     (pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="x" * 101)])),
      "chat.messages[0].content has 101 characters; at most 100", "chat.messages[0].content"),
     (pb.GenerateRequest(text="y" * 101), "the text prompt has 101 characters", "text"),
+    (pb.GenerateRequest(text="y", prediction="p" * 101), "prediction has 101 characters; at most 100", "prediction"),
     (pb.GenerateRequest(text="z", stopping=pb.StoppingParameters(stop=["ok", "toolong"])),
      "stopping.stop[1] 'toolong' is longer than 5 characters (--max-stop-chars)", "stopping.stop[1]"),
     (pb.GenerateRequest(text="z", n=4, stopping=pb.StoppingParameters(max_tokens=13)),

@@ -249,3 +249,28 @@ def test_a_draft_through_the_end_of_structured_output_stops_there(tiny_dir):
     got = on.generate([prompt], params)[0].outputs[0]
     assert (got.text, got.finish_reason) == (want.text, want.finish_reason) == ("abc", "stop")
     assert got.num_accepted_tokens > 0
+
+
+def test_a_predicted_output_is_drafted_from_and_changes_no_output(tiny_dir):
+    off, on = engines(tiny_dir)
+    prompts = [list(range(200, 230)), [17, 3, 99, 45, 8] * 4]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    answers = [o.outputs[0].token_ids for o in off.generate(prompts, greedy)]
+    plain = on.generate(prompts, greedy)
+    for prediction in (answers, [a[:10] + [1, 2, 3] + a[14:] for a in answers]):  # as answered; edited mid-way
+        params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prediction=p) for p in prediction]
+        got = on.generate(prompts, params)
+        assert [g.outputs[0].token_ids for g in got] == answers
+        for g, p in zip(got, plain):  # more accepted than drafting from the context alone
+            assert g.outputs[0].num_accepted_tokens > p.outputs[0].num_accepted_tokens
+    exact = on.generate(prompts, [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prediction=a)
+                                  for a in answers])
+    assert all(g.outputs[0].num_accepted_tokens >= 32 for g in exact)  # of 39 after the first token
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)
+    sampled = off.generate(prompts, seeded)
+    with_prediction = on.generate(prompts, [SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True,
+                                                           prediction=a) for a in answers])
+    assert [s.outputs[0].token_ids for s in sampled] == [w.outputs[0].token_ids for w in with_prediction]
+    opted_out = on.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                    prediction=answers[0], num_speculative_tokens=0))
+    assert all(o.outputs[0].num_drafted_tokens == 0 for o in opted_out)

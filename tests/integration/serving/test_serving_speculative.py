@@ -63,3 +63,25 @@ def test_greedy_outputs_are_the_same_with_and_without_drafts(spec_server: ForgeP
 
     assert grew("forge_spec_decode_draft_tokens_total") >= drafted
     assert grew("forge_spec_decode_accepted_tokens_total") >= accepted
+
+
+def test_a_predicted_output_speeds_an_edit_and_changes_no_answer(spec_server: ForgeProcess) -> None:
+    """OpenAI's `prediction`: the client sends the text it expects back (here the answer without a
+    prediction, with a word edited, as a file being edited would differ); drafts come from it, and
+    the answer is the same."""
+    client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    for messages in (CHAT_PROMPTS[1], CHAT_PROMPTS[7]):  # answers of 48 tokens that copy little from the prompt
+        plain = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        answer = plain.choices[0].message.content
+        edited = answer.replace(" the ", " a ", 1)
+        assert edited != answer
+        for prediction in (answer, edited):
+            response = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
+                                                      temperature=0,
+                                                      prediction={"type": "content", "content": prediction})
+            assert response.choices[0].message.content == answer, prediction
+            accepted = response.usage.completion_tokens_details.accepted_prediction_tokens
+            # Drafted from the prediction, more is accepted than from the prompt and output alone.
+            assert accepted > plain.usage.completion_tokens_details.accepted_prediction_tokens, prediction
+            assert accepted >= response.usage.completion_tokens // 2, prediction
