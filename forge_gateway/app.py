@@ -119,6 +119,10 @@ def _add_routes(app: FastAPI, config: GatewayConfig) -> None:
     async def models(request: Request) -> Response:
         return await _guard(_models(request))
 
+    @app.get("/v1/models/{model:path}")  # a served name may hold '/' (org/name)
+    async def model(model: str, request: Request) -> Response:
+        return await _guard(_model(request, model))
+
     @app.get("/health")
     async def health(request: Request) -> Response:
         return await _health(request)
@@ -205,11 +209,22 @@ async def _completions(request: Request, body: CompletionRequest, config: Gatewa
     return JSONResponse(convert.text_completion(responses, response_id, created, body.model, body.n, want_logprobs))
 
 
-async def _models(request: Request) -> Response:
+async def _model_cards(request: Request) -> list[dict[str, Any]]:
     response = await _stub(request).ListModels(pb.ListModelsRequest(), timeout=10)
-    data = [{"id": m.id, "object": "model", "created": m.created, "owned_by": "forge", "root": m.id,
+    return [{"id": m.id, "object": "model", "created": m.created, "owned_by": "forge", "root": m.id,
              "max_model_len": m.max_model_len} for m in response.models]
-    return JSONResponse({"object": "list", "data": data})
+
+
+async def _models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": await _model_cards(request)})
+
+
+async def _model(request: Request, name: str) -> Response:
+    """One model's card (OpenAI's retrieve), 404 model_not_found for a name not served."""
+    card = next((c for c in await _model_cards(request) if c["id"] == name), None)
+    if card is None:
+        raise GatewayError(404, f"model {name!r} is not served here", code="model_not_found", param="model")
+    return JSONResponse(card)
 
 
 async def _health(request: Request) -> Response:

@@ -222,6 +222,14 @@ def test_models(http: httpx.Client, client: openai.OpenAI, fake: FakeForge) -> N
     assert body["data"][0] == {"id": "fake-model", "object": "model", "created": 1700000000, "owned_by": "forge",
                                "root": "fake-model", "max_model_len": 2048}
     assert [m.id for m in client.models.list()] == ["fake-model"]
+    assert http.get("/v1/models/fake-model").json() == body["data"][0]  # OpenAI's retrieve
+    assert client.models.retrieve("fake-model").id == "fake-model"
+    missing = http.get("/v1/models/org/other-model")
+    assert missing.status_code == 404
+    assert missing.json()["error"] == {"message": "model 'org/other-model' is not served here",
+                                       "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
 
 
 def test_chat_completion_with_every_parameter(client: openai.OpenAI, fake: FakeForge) -> None:
