@@ -20,13 +20,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry.trace import Tracer
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import ValidationError
 
-from forge_gateway import balancer, convert
+from forge_gateway import balancer, convert, responses
 from forge_gateway.config import GatewayConfig
 from forge_gateway.errors import GatewayError, from_grpc, internal_error, validation_error
 from forge_gateway.metrics import GatewayMetrics, ObservabilityMiddleware, client_interceptors
 from forge_gateway.models import ChatCompletionRequest, CompletionRequest
-from forge_gateway.limits import RequestGuard, check_request
+from forge_gateway.limits import RequestGuard, check_request, check_unknown_fields
 from forge_service.errors import StartupError
 from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
@@ -115,6 +116,10 @@ def _add_routes(app: FastAPI, config: GatewayConfig) -> None:
         check_request(body, config)
         return await _guard(_completions(request, body, config))
 
+    @app.post("/v1/responses")
+    async def create_response(body: responses.ResponsesRequest, request: Request) -> Response:
+        return await _guard(_responses(request, body, config))
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         return await _guard(_models(request))
@@ -193,6 +198,28 @@ async def _chat(request: Request, body: ChatCompletionRequest, config: GatewayCo
     call = _replicas(request).generate(message, timeout)
     response = await _unless_disconnected(request, _answer(request, call), _canceller([call]))
     return JSONResponse(convert.chat_completion(response, response_id, created, body.model, body.logprobs))
+
+
+async def _responses(request: Request, body: responses.ResponsesRequest, config: GatewayConfig) -> Response:
+    """The Responses API on the chat path; errors name the Responses request's parameters."""
+    try:
+        chat = responses.chat_request(body)
+        check_request(chat, config)
+        check_unknown_fields(body, config.max_unknown_field_bytes)
+        request_id = _ids(request, "resp")[0]
+        response_id, created, timeout = f"resp_{request_id}", int(time.time()), _timeout(request, config)
+        message = convert.chat_request(chat, request_id)
+        if body.stream:
+            return await _stream(request, [message], responses.ResponsesStream(response_id, created, body), timeout)
+        call = _replicas(request).generate(message, timeout)
+        answer = await _unless_disconnected(request, _answer(request, call), _canceller([call]))
+        return JSONResponse(responses.response(answer, response_id, created, body))
+    except ValidationError as error:
+        raise responses.renamed(validation_error(error.errors())) from None
+    except grpc.aio.AioRpcError as error:
+        raise responses.renamed(from_grpc(error)) from None
+    except GatewayError as error:
+        raise responses.renamed(error) from None
 
 
 async def _completions(request: Request, body: CompletionRequest, config: GatewayConfig) -> Response:
@@ -329,20 +356,24 @@ async def _sse(first: tuple[int, pb.StreamResponse], rest: AsyncIterator[tuple[i
                formatter: convert._Stream) -> AsyncIterator[str]:
     """The stream's chunks, then `[DONE]`; a failure after the first chunk is one `error` event
     (OpenAI error JSON) that ends the stream without `[DONE]`."""
+    def event(chunk: dict[str, Any]) -> str:
+        return _sse_event(chunk, chunk["type"] if formatter.named_events else None)
+
     try:
         for chunk in formatter.start() + formatter.on_message(*first):
-            yield _sse_event(chunk)
+            yield event(chunk)
         async for index, message in rest:
             for chunk in formatter.on_message(index, message):
-                yield _sse_event(chunk)
+                yield event(chunk)
         for chunk in formatter.end():
-            yield _sse_event(chunk)
+            yield event(chunk)
     except Exception as error:
         yield _sse_event(_stream_error(error).body(), "error")
         return
     finally:
         await rest.aclose()  # type: ignore[attr-defined]
-    yield "data: [DONE]\n\n"
+    if formatter.done_marker:
+        yield "data: [DONE]\n\n"
 
 
 def _stream_error(error: Exception) -> GatewayError:

@@ -205,6 +205,8 @@ class _Stream:
     """Turns stream messages from one or more prompts into OpenAI chunk objects."""
 
     object_name = ""
+    named_events = False  # SSE events named by their payload's type (the Responses API's)
+    done_marker = True  # the stream ends with `data: [DONE]`
 
     def __init__(self, response_id: str, created: int, model: str, n: int, want_logprobs: bool,
                  include_usage: bool) -> None:

@@ -169,7 +169,7 @@ def check_request(body: ChatCompletionRequest | CompletionRequest, config: Gatew
             raise GatewayError(400, f"{param}: {count} {what} exceed the bound of {bound}", param=param,
                                code="limit_exceeded")
     _check_n_tokens(body, prompts, config.max_n_tokens)
-    _check_unknown_fields(body, config.max_unknown_field_bytes)
+    check_unknown_fields(body, config.max_unknown_field_bytes)
 
 
 def _check_n_tokens(body: _Common, prompts: int, bound: int) -> None:
@@ -181,7 +181,7 @@ def _check_n_tokens(body: _Common, prompts: int, bound: int) -> None:
             param="max_tokens", code="limit_exceeded")
 
 
-def _check_unknown_fields(body: BaseModel, bound: int) -> None:
+def check_unknown_fields(body: BaseModel, bound: int) -> None:
     """Unknown fields are ignored while they stay small: a client may send newer OpenAI parameters,
     but megabytes of them would be parsed and held for nothing."""
     size, names = 0, []

@@ -118,6 +118,35 @@ def test_completion_streamed_and_not_equals_the_offline_api(idle_server, openai_
     assert all(c.usage is None for c in body)
 
 
+def test_the_responses_api_answers_as_chat_does(idle_server, openai_client, model_name) -> None:
+    """POST /v1/responses (the client's responses.create): the same greedy answer as chat, whole and
+    streamed, and a required tool call as a function_call item whose arguments fit the tool."""
+    chat = openai_client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=MAX_TOKENS,
+                                                 temperature=0)
+    whole = openai_client.responses.create(model=model_name, input=CHAT, max_output_tokens=MAX_TOKENS, temperature=0)
+    assert whole.output_text == chat.choices[0].message.content and whole.status == "incomplete"
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (chat.usage.prompt_tokens, MAX_TOKENS)
+    events = list(openai_client.responses.create(model=model_name, input=CHAT, max_output_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+
+    tool = {"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    called = openai_client.responses.create(model=model_name, input="What is the weather in Paris?", tools=[tool],
+                                            tool_choice="required", temperature=0, max_output_tokens=64)
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and called.status == "completed"
+    assert set(json.loads(calls[0].arguments)) == {"city"}
+    answered = openai_client.responses.create(  # the call's result sent back, as the conversation goes on
+        model=model_name, tools=[tool], temperature=0, max_output_tokens=MAX_TOKENS,
+        input=[{"role": "user", "content": "What is the weather in Paris?"},
+               {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+                "arguments": calls[0].arguments},
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "21 C and sunny"}])
+    assert answered.output_text and answered.status in ("completed", "incomplete")
+
+
 def test_models_lists_the_served_model(openai_client, model_name) -> None:
     [model] = openai_client.models.list().data
     assert model.id == model_name == "SmolLM2-135M-Instruct.Q4_1"
