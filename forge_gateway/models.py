@@ -28,6 +28,13 @@ class TextPart(BaseModel):
         return self
 
 
+def _joined(content: str | list[TextPart] | None) -> str:
+    """Content's text: the string, or its text parts joined."""
+    if isinstance(content, list):
+        return "".join(part.text or "" for part in content)
+    return content or ""
+
+
 class ChatMessage(BaseModel):
     model_config = _CONFIG
 
@@ -53,9 +60,7 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text or "" for part in self.content)
-        return self.content or ""
+        return _joined(self.content)
 
 
 class Prediction(BaseModel):
@@ -68,9 +73,7 @@ class Prediction(BaseModel):
     content: str | list[TextPart]
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text or "" for part in self.content)
-        return self.content
+        return _joined(self.content)
 
 
 class StreamOptions(BaseModel):
