@@ -81,7 +81,10 @@ def test_clients_that_disconnect_mid_stream_free_their_kv_blocks(idle_server: Fo
     async def read_a_little_then_leave(client: httpx.AsyncClient, started: asyncio.Event) -> list[str]:
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             events: list[str] = []
-            async for line in response.aiter_lines():
+            # Held: a line iterator left by `break` is finalized at once, and closing it closes the
+            # connection, so a client would leave after its third event instead of waiting below.
+            lines = response.aiter_lines()
+            async for line in lines:
                 if line.startswith("data: "):
                     events.append(line)
                 if len(events) == 3:
