@@ -19,8 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry.trace import Tracer
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forge_gateway import balancer, convert, responses
 from forge_gateway.config import GatewayConfig
@@ -354,8 +354,9 @@ def _sse_event(payload: dict[str, Any], event: str | None = None) -> str:
 
 async def _sse(first: tuple[int, pb.StreamResponse], rest: AsyncIterator[tuple[int, pb.StreamResponse]],
                formatter: convert._Stream) -> AsyncIterator[str]:
-    """The stream's chunks, then `[DONE]`; a failure after the first chunk is one `error` event
-    (OpenAI error JSON) that ends the stream without `[DONE]`."""
+    """The stream's chunks, then `[DONE]` (a Responses stream: events named by their type, and no
+    `[DONE]`); a failure after the first chunk is one `error` event (OpenAI error JSON) that ends
+    the stream without `[DONE]`."""
     def event(chunk: dict[str, Any]) -> str:
         return _sse_event(chunk, chunk["type"] if formatter.named_events else None)
 

@@ -25,8 +25,8 @@ FINISH_REASONS = {
 
 # SamplingParams' attributes that do not come from sampling.<name>: the GenerateRequest field each does.
 _REQUEST_FIELDS = {"n": "n", "max_tokens": "stopping.max_tokens", "stop": "stopping.stop",
-                   "stop_token_ids": "stopping.stop_token_ids", "ignore_eos": "stopping.ignore_eos",
-                   "logprobs": "top_logprobs", "num_speculative_tokens": "num_speculative_tokens"}
+                   "stop_token_ids": "stopping.stop_token_ids", "logprobs": "top_logprobs",
+                   "num_speculative_tokens": "num_speculative_tokens"}
 _SAMPLING_FIELDS = {f.name for f in pb.SamplingParameters.DESCRIPTOR.fields}
 
 

@@ -5,8 +5,8 @@ One OutputProcessor per request, fed each completion's text deltas in order, for
 Generate alike. With tools it splits text into content and calls (parser.py); at the end of a
 completion it validates every complete call's arguments against its tool's full schema (a call
 cut short by max_tokens is not checked, as a json_schema output cut short is not), and a
-json_schema output against its schema, logging violations (the grammar may have approximated the schema;
-see structured/schema.py). It never fails a request after the fact.
+json_schema output against its schema, logging violations (the grammar may have approximated
+the schema; see structured/schema.py). It never fails a request after the fact.
 """
 from __future__ import annotations
 
