@@ -80,7 +80,8 @@ class OutputProcessor:
     def _parser(self, index: int) -> ToolCallParser:
         if index not in self._parsers:
             assert self._tools is not None
-            self._parsers[index] = ToolCallParser(self._tools.format, new_call_id)
+            self._parsers[index] = ToolCallParser(self._tools.format, new_call_id,
+                                                  calls_only=self._tools.mode in ("required", "function"))
         return self._parsers[index]
 
     def _check_calls(self, calls: list[ParsedCall]) -> None:

@@ -11,6 +11,8 @@ Rules, the same for every format (formats.py):
 - A call's first delta carries its id and name; later deltas carry the next fragment of the
   arguments' JSON text, exactly as generated (trailing whitespace is held until more follows).
   A call whose arguments come before its name is sent once its name is known.
+- With `calls_only` (tool_choice required or a named function, whose grammar admits calls alone),
+  a start tag cut short at the end is dropped, not flushed as content.
 - An unterminated call (max_tokens) keeps the arguments generated so far, and nothing more: a
   call cut before its arguments has none ("" rather than an invented "{}"), and it is not
   `complete` (a call whose object closed without arguments has "{}").
@@ -127,8 +129,9 @@ def _loads_str(raw: str) -> str | None:
 class ToolCallParser:
     """Splits one completion's text into content and tool calls, incrementally."""
 
-    def __init__(self, fmt: ToolCallFormat, make_id: Callable[[], str]) -> None:
+    def __init__(self, fmt: ToolCallFormat, make_id: Callable[[], str], calls_only: bool = False) -> None:
         self.format = fmt
+        self._calls_only = calls_only
         self._start, self._end = fmt.start.strip(), fmt.end.strip()
         self._make_id = make_id
         self.calls: list[ParsedCall] = []
@@ -152,7 +155,7 @@ class ToolCallParser:
         self._run(final=True)
         if self._in_region and self._object is not None:
             self._close_object()
-        if not self._in_region and self._buf:
+        if not self._in_region and self._buf and not self._calls_only:
             self._emit_content(self._buf)
         self._buf, self._pending_ws = "", ""
         return self._take()
@@ -175,7 +178,7 @@ class ToolCallParser:
             self._buf = self._buf[at + len(self._start):]
             self._open_region()
             return True
-        keep = 0 if final else _partial_suffix(self._buf, self._start)
+        keep = 0 if final and not self._calls_only else _partial_suffix(self._buf, self._start)
         self._emit_content(self._buf[:len(self._buf) - keep])
         self._buf = self._buf[len(self._buf) - keep:]
         return False

@@ -127,3 +127,10 @@ def test_a_call_cut_before_its_arguments_has_none_and_is_not_complete() -> None:
                 parser.feed(piece)
             parser.finish()
             assert [(c.name, c.arguments, c.complete) for c in parser.calls] == [("f", arguments, complete)], text
+
+
+def test_a_start_tag_cut_short_is_content_unless_only_calls_can_be_generated() -> None:
+    for calls_only, content in ((False, "<tool_c"), (True, "")):
+        parser = ToolCallParser(FORMATS_BY_NAME["hermes"], lambda: "call_0", calls_only=calls_only)
+        shown = parser.feed("<tool_c")[0]
+        assert shown + parser.finish()[0] == content and not parser.calls

@@ -208,3 +208,12 @@ def test_stream_and_generate_carry_the_same_calls(monkeypatch) -> None:
     final = messages[-1].final
     assert final.finish_reason == pb.FINISH_REASON_TOOL_CALLS and final.tool_calls[0].arguments == '{"city": "Paris"}'
     assert sum(len(c.token_ids) for c in chunks) == len(pieces)
+
+
+def test_with_calls_required_a_start_tag_cut_by_max_tokens_is_not_content() -> None:
+    required = pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED)
+    for choice, content in ((None, "<tool_c"), (required, "")):  # auto may write text; required only calls
+        out = OutputProcessor("r5", tool_setup(request(choice=choice), SMOL))
+        piece = out.feed(0, "<tool_c")
+        last, calls, reason = out.finish(0, "length")
+        assert piece.text + last.text == content and not calls and reason == "length"
