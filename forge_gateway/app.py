@@ -22,7 +22,7 @@ from opentelemetry.trace import Tracer
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from forge_gateway import balancer, convert, responses
+from forge_gateway import balancer, convert, responses, tokens
 from forge_gateway.config import GatewayConfig
 from forge_gateway.errors import GatewayError, from_grpc, internal_error, validation_error
 from forge_gateway.metrics import GatewayMetrics, ObservabilityMiddleware, client_interceptors
@@ -119,6 +119,14 @@ def _add_routes(app: FastAPI, config: GatewayConfig) -> None:
     @app.post("/v1/responses")
     async def create_response(body: responses.ResponsesRequest, request: Request) -> Response:
         return await _guard(_responses(request, body, config))
+
+    @app.post("/tokenize")
+    async def tokenize(body: tokens.TokenizeRequest, request: Request) -> Response:
+        return await _guard(_tokenize(request, body))
+
+    @app.post("/detokenize")
+    async def detokenize(body: tokens.DetokenizeRequest, request: Request) -> Response:
+        return await _guard(_detokenize(request, body))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -234,6 +242,20 @@ async def _completions(request: Request, body: CompletionRequest, config: Gatewa
     calls = [_replicas(request).generate(m, timeout) for m in messages]
     responses = await _unless_disconnected(request, asyncio.gather(*(_answer(request, c) for c in calls)), _canceller(calls))
     return JSONResponse(convert.text_completion(responses, response_id, created, body.model, body.n, want_logprobs))
+
+
+async def _tokenize(request: Request, body: tokens.TokenizeRequest) -> Response:
+    message = tokens.tokenize_request(body, _ids(request, "tok")[0])
+    response = await _stub(request).Tokenize(message, timeout=60)
+    return JSONResponse(tokens.tokenize_response(response))
+
+
+async def _detokenize(request: Request, body: tokens.DetokenizeRequest) -> Response:
+    try:
+        response = await _stub(request).Detokenize(tokens.detokenize_request(body), timeout=60)
+    except grpc.aio.AioRpcError as error:
+        raise tokens.detokenize_error(from_grpc(error)) from None
+    return JSONResponse({"prompt": response.text})
 
 
 async def _model_cards(request: Request) -> list[dict[str, Any]]:

@@ -121,7 +121,19 @@ def prediction_token_ids(request: pb.GenerateRequest, tokenizer: Any, max_model_
 
 def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Any, max_model_len: int,
                      setup: ToolSetup | None = None) -> list[int]:
-    """Tokenize the request's input (rendering chat messages with the model's template)."""
+    """Tokenize the request's input (rendering chat messages with the model's template); refused
+    when it leaves no room in the context for one generated token."""
+    ids = input_token_ids(request, tokenizer, setup)
+    if len(ids) >= max_model_len:
+        raise InvalidArgument(
+            f"the prompt has {len(ids)} tokens, but the model's context length is {max_model_len} and at least "
+            f"one token must be generated: shorten the prompt by {len(ids) - max_model_len + 1} tokens",
+            kind=CONTEXT_LENGTH_EXCEEDED)
+    return ids
+
+
+def input_token_ids(request: pb.GenerateRequest, tokenizer: Any, setup: ToolSetup | None = None) -> list[int]:
+    """The request's input as token ids, whatever its length."""
     kind = request.WhichOneof("input")
     if kind == "text":
         ids = list(tokenizer.encode(request.text))
@@ -139,12 +151,17 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Any, max_model_len:
         raise InvalidArgument("the request has no input: set one of text, chat or token_ids")
     if not ids:
         raise InvalidArgument("the prompt is empty")
-    if len(ids) >= max_model_len:
-        raise InvalidArgument(
-            f"the prompt has {len(ids)} tokens, but the model's context length is {max_model_len} and at least "
-            f"one token must be generated: shorten the prompt by {len(ids) - max_model_len + 1} tokens",
-            kind=CONTEXT_LENGTH_EXCEEDED)
     return ids
+
+
+def detokenized(request: pb.DetokenizeRequest, tokenizer: Any) -> str:
+    """The text of a Detokenize request's token ids."""
+    bad = next((i for i in request.token_ids if i >= tokenizer.vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"token_ids has id {bad}, outside the vocabulary [0, {tokenizer.vocab_size})",
+                              field="token_ids")
+    skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+    return tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
 
 
 def _token_logprob(entry: Any) -> pb.TokenLogprob:

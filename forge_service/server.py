@@ -111,6 +111,16 @@ class ForgeServicer(pb_grpc.ForgeServicer):
                         for message in encoder.messages(output):
                             await context.write(message)
 
+    async def Tokenize(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        async with self._rpc(context) as model:
+            ids = await self._service.tokenize(request, model)
+            return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=model.max_model_len)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        async with self._rpc(context) as model:
+            return pb.DetokenizeResponse(text=await self._service.detokenize(request, model))
+
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         return self._service.health_response()
 
@@ -145,11 +155,25 @@ class ForgeServicer(pb_grpc.ForgeServicer):
             await _abort_internal(context, error)
 
 
+def _check_model(name: str, model: LoadedModel) -> None:
+    if name and name != model.name:
+        raise ModelNotFound(f"model {excerpt(name)} is not served here; this server serves {model.name!r}",
+                            field="model")
+
+
+async def _tokenize(request: pb.GenerateRequest, model: LoadedModel, config: ServiceConfig,
+                    pool: TokenizerPool) -> list[int]:
+    """A request's prompt tokens as _prepare makes them, without the context's bound."""
+    _check_model(request.model, model)
+    limits.check_request(request, config.limits)
+    tools = convert.tools(request, model.tokenizer)
+    with blame(request.WhichOneof("input")):
+        return await pool.run(convert.input_token_ids, request, model.tokenizer, tools)
+
+
 async def _prepare(request: pb.GenerateRequest, model: LoadedModel, config: ServiceConfig,
                    pool: TokenizerPool) -> _Prepared:
-    if request.model and request.model != model.name:
-        raise ModelNotFound(f"model {excerpt(request.model)} is not served here; this server serves {model.name!r}",
-                            field="model")
+    _check_model(request.model, model)
     # An error names the request field at fault (trailing metadata, see errors.py); where its
     # raiser does not, it is the stage's: the input (text | chat | token_ids), the constraint.
     source = request.WhichOneof("input")
@@ -303,6 +327,15 @@ class ForgeService:
     async def prepare(self, request: pb.GenerateRequest, model: LoadedModel) -> _Prepared:
         """Check, tokenize (in the tokenizer pool) and compile one request for `model`."""
         return await _prepare(request, model, self.config, self._tokenizers)
+
+    async def tokenize(self, request: pb.GenerateRequest, model: LoadedModel) -> list[int]:
+        """A request's prompt tokens (in the tokenizer pool), checked as far as tokenizing needs."""
+        return await _tokenize(request, model, self.config, self._tokenizers)
+
+    async def detokenize(self, request: pb.DetokenizeRequest, model: LoadedModel) -> str:
+        """A Detokenize request's text (in the tokenizer pool)."""
+        _check_model(request.model, model)
+        return await self._tokenizers.run(convert.detokenized, request, model.tokenizer)
 
     @property
     def in_flight(self) -> int:

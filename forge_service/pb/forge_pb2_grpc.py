@@ -63,6 +63,16 @@ class ForgeStub:
                 request_serializer=forge_dot_v1_dot_forge__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=forge_dot_v1_dot_forge__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/forge.v1.Forge/Tokenize',
+                request_serializer=forge_dot_v1_dot_forge__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=forge_dot_v1_dot_forge__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/forge.v1.Forge/Detokenize',
+                request_serializer=forge_dot_v1_dot_forge__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=forge_dot_v1_dot_forge__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class ForgeServicer:
@@ -106,6 +116,23 @@ class ForgeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Tokenizes a request's input exactly as Generate would (chat messages rendered with the
+        model's template, tools included, and the assistant generation prompt), generating nothing:
+        its token ids, and the context they count against. A prompt longer than the context is
+        counted, not refused. Sampling and stopping fields are ignored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Turns token ids back into text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ForgeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +155,16 @@ def add_ForgeServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=forge_dot_v1_dot_forge__pb2.ListModelsRequest.FromString,
                     response_serializer=forge_dot_v1_dot_forge__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=forge_dot_v1_dot_forge__pb2.GenerateRequest.FromString,
+                    response_serializer=forge_dot_v1_dot_forge__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=forge_dot_v1_dot_forge__pb2.DetokenizeRequest.FromString,
+                    response_serializer=forge_dot_v1_dot_forge__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -247,6 +284,60 @@ class Forge:
             '/forge.v1.Forge/ListModels',
             forge_dot_v1_dot_forge__pb2.ListModelsRequest.SerializeToString,
             forge_dot_v1_dot_forge__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.v1.Forge/Tokenize',
+            forge_dot_v1_dot_forge__pb2.GenerateRequest.SerializeToString,
+            forge_dot_v1_dot_forge__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.v1.Forge/Detokenize',
+            forge_dot_v1_dot_forge__pb2.DetokenizeRequest.SerializeToString,
+            forge_dot_v1_dot_forge__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -201,16 +201,34 @@ def test_the_transcoder_serves_the_protos_services_and_routes_their_paths_to_the
         rule = method.options.Extensions[annotations_pb2.http]
         http_paths.append(getattr(rule, rule.WhichOneof("pattern")))
     assert len(http_paths) == len(forge.service[0].method)
-    routes = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
-        "route_config"]["virtual_hosts"][0]["routes"]
-
-    def cluster_for(path: str) -> str:
-        return next(r["route"]["cluster"] for r in routes if path.startswith(r["match"]["prefix"]))
-
     for path in http_paths:
-        assert cluster_for(path) == "forge_service", path
-    assert cluster_for(f"/{SERVICE_NAME}/Generate") == "forge_service"
-    assert cluster_for("/v1/chat/completions") == "forge_gateway"
+        assert envoy_cluster_for(path) == "forge_service", path
+    assert envoy_cluster_for(f"/{SERVICE_NAME}/Generate") == "forge_service"
+    assert envoy_cluster_for("/v1/chat/completions") == "forge_gateway"
+
+
+def envoy_cluster_for(path: str) -> str | None:
+    """The cluster envoy.yaml's public listener sends `path` to (its first matching route)."""
+    routes = envoy()["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "route_config"]["virtual_hosts"][0]["routes"]
+    for route in routes:
+        match = route["match"]
+        if path == match.get("path") or ("prefix" in match and path.startswith(match["prefix"])):
+            return route["route"]["cluster"]
+    return None
+
+
+def test_envoy_sends_every_api_route_of_the_gateway_to_it() -> None:
+    from forge_gateway.app import create_app
+    from forge_gateway.config import GatewayConfig
+
+    app = create_app(GatewayConfig(target="127.0.0.1:1"))
+    probes = {"/health", "/livez", "/metrics"}  # Kubernetes probes the gateway's own port
+    paths = [r.path.split("{")[0] + "x" * ("{" in r.path) for r in app.routes
+             if getattr(r, "include_in_schema", False) and r.path not in probes]
+    assert {"/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"} <= set(paths)
+    for path in paths:
+        assert envoy_cluster_for(path) == "forge_gateway", path
 
 
 def test_envoy_clusters_and_listeners_use_the_charts_names_and_ports() -> None:

@@ -143,6 +143,16 @@ class FakeForge(pb_grpc.ForgeServicer):
         return pb.HealthResponse(model="fake-model", state=state, ready=self.ready, num_waiting=1, num_running=2,
                                  kv_cache_usage=0.25, kv_blocks_used=25, kv_blocks_total=100)
 
+    def Tokenize(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.TokenizeResponse:
+        ids = list(self._admit(request, context).encode())  # one token per byte
+        return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=2048)
+
+    def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.ServicerContext) -> pb.DetokenizeResponse:
+        if any(t > 255 for t in request.token_ids):
+            context.set_trailing_metadata((("forge-error-field", "token_ids"),))
+            context.abort(S.INVALID_ARGUMENT, "token_ids has an id outside the vocabulary [0, 256)")
+        return pb.DetokenizeResponse(text=bytes(request.token_ids).decode())
+
     def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[pb.ModelInfo(id="fake-model", max_model_len=2048, created=1700000000)])
 
@@ -512,3 +522,23 @@ def test_gateway_bug_is_500_with_a_logged_id(stack: tuple, monkeypatch: pytest.M
     ("tool_choice", "tool_choice"), ("n", "n"), ("top_logprobs", "top_logprobs"), ("", None), (None, None)])
 def test_a_request_field_maps_to_the_openai_parameter_it_came_from(field: str | None, param: str | None) -> None:
     assert openai_param(field) == param
+
+
+def test_tokenize_and_detokenize(http: httpx.Client, fake: FakeForge) -> None:
+    """vLLM's /tokenize (a prompt or chat messages, counted by the service's Tokenize) and /detokenize."""
+    counted = http.post("/tokenize", json={"model": "fake-model", "prompt": "hello"}).json()
+    assert counted == {"count": 5, "max_model_len": 2048, "tokens": list(b"hello")}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    chat = http.post("/tokenize", json={"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
+                                        "tools": [tool]})
+    assert chat.json()["count"] == 2
+    text, messages = fake.requests
+    assert text.text == "hello" and [(m.role, m.content) for m in messages.chat.messages] == [("user", "hi")]
+    assert [t.name for t in messages.tools] == ["f"]  # tools are in the prompt the count is of
+    assert http.post("/detokenize", json={"model": "fake-model", "tokens": list(b"hey")}).json() == {"prompt": "hey"}
+    bad = http.post("/detokenize", json={"model": "fake-model", "tokens": [300]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    for body in ({"model": "m"}, {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}]},
+                 {"model": "m", "prompt": "x", "add_special_tokens": False},
+                 {"model": "m", "prompt": "x", "tools": [tool]}):
+        assert http.post("/tokenize", json=body).status_code == 400, body

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from forge_service.admission import longest_token_chars
 from forge_service.config import LimitsConfig, ServiceConfig
+from forge_service import convert
 from forge_service.errors import MAX_DETAILS_WIRE_BYTES, bounded_details, excerpt
 from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
@@ -267,6 +268,32 @@ def test_an_error_names_the_request_field_at_fault_and_its_kind(fields: dict, co
         assert marks(error) == {"forge-error-field": field, **({"forge-error-kind": kind} if kind else {})}
 
     serve(body, TokenizingFake(max_model_len=128), NO_CHAR_LIMIT)
+
+
+def test_tokenize_counts_the_prompt_generate_would_feed_and_detokenize_reverses_it() -> None:
+    fake = TokenizingFake(max_model_len=128)
+
+    async def body(stub: pb_grpc.ForgeStub, channel: grpc.aio.Channel, service: ForgeService) -> None:
+        chat = pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="hi there")]),
+                                  tools=[TOOL])
+        counted = await stub.Tokenize(chat)
+        fed = convert.prompt_token_ids(chat, fake.tokenizer, 1 << 20, convert.tools(chat, fake.tokenizer))  # unbounded
+        assert list(counted.token_ids) == fed and counted.count == len(fed) and counted.max_model_len == 128
+        long = await stub.Tokenize(pb.GenerateRequest(text="a" * 300))  # past the context: counted, not refused
+        assert long.count == 300 == len(long.token_ids)
+        assert (await stub.Detokenize(pb.DetokenizeRequest(token_ids=fed))).text == fake.tokenizer.decode(fed)
+        for call, request, code, field in [
+                (stub.Detokenize, pb.DetokenizeRequest(token_ids=[10 ** 6]), grpc.StatusCode.INVALID_ARGUMENT,
+                 "token_ids"),
+                (stub.Detokenize, pb.DetokenizeRequest(model="other"), grpc.StatusCode.NOT_FOUND, "model"),
+                (stub.Tokenize, pb.GenerateRequest(model="other", text="x"), grpc.StatusCode.NOT_FOUND, "model"),
+                (stub.Tokenize, pb.GenerateRequest(chat=pb.ChatInput()), grpc.StatusCode.INVALID_ARGUMENT, "chat"),
+                (stub.Tokenize, pb.GenerateRequest(text="y" * 2000), grpc.StatusCode.INVALID_ARGUMENT, "text")]:
+            error = await status_of(call(request))
+            assert error.code() == code and marks(error)["forge-error-field"] == field, error.details()
+        assert not fake.added  # nothing was generated
+
+    serve(body, fake, replace(CONFIG, limits=LimitsConfig(max_message_chars=1000)))
 
 
 def marks(error: grpc.aio.AioRpcError) -> dict[str, str]:

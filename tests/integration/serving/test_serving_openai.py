@@ -147,6 +147,20 @@ def test_the_responses_api_answers_as_chat_does(idle_server, openai_client, mode
     assert answered.output_text and answered.status in ("completed", "incomplete")
 
 
+def test_tokenize_counts_what_chat_bills_and_detokenize_reverses_it(forge_server, openai_client, model_name) -> None:
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    for tools in (None, [tool]):
+        counted = post(forge_server, "/tokenize", {"model": model_name, "messages": CHAT,
+                                                   **({"tools": tools} if tools else {})}).json()
+        billed = openai_client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=1,
+                                                       **({"tools": tools} if tools else {}))
+        assert counted["count"] == billed.usage.prompt_tokens == len(counted["tokens"]), tools
+        assert counted["max_model_len"] == CONTEXT
+    text = post(forge_server, "/tokenize", {"model": model_name, "prompt": TEXT}).json()
+    assert post(forge_server, "/detokenize", {"model": model_name, "tokens": text["tokens"]}).json() == {"prompt": TEXT}
+
+
 def test_models_lists_the_served_model(openai_client, model_name) -> None:
     [model] = openai_client.models.list().data
     assert model.id == model_name == "SmolLM2-135M-Instruct.Q4_1"
