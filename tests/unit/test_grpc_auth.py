@@ -151,6 +151,8 @@ def test_calls_need_the_key_and_health_does_not() -> None:
             assert await outcome(stub.Generate(request(), metadata=(("authorization", KEY),))) == S.UNAUTHENTICATED
             assert await outcome(_drain(stub.Stream(request()))) == S.UNAUTHENTICATED
             assert await outcome(stub.ListModels(pb.ListModelsRequest())) == S.UNAUTHENTICATED
+            assert await outcome(stub.Tokenize(request())) == S.UNAUTHENTICATED
+            assert await outcome(stub.Detokenize(pb.DetokenizeRequest(token_ids=[1]))) == S.UNAUTHENTICATED
             # A refused call's request is not even parsed: invalid bytes still answer UNAUTHENTICATED.
             raw = channel.unary_unary("/forge.v1.Forge/Generate")
             assert await outcome(raw(b"\x1a\x01\xff")) == S.UNAUTHENTICATED
