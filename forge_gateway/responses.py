@@ -155,8 +155,8 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             call = {"id": _string(item, "call_id", i), "type": "function",
                     "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and last["content"] is None:
-                last["tool_calls"].append(call)  # consecutive calls: one assistant turn
+            if last is not None and last["role"] == "assistant":  # the turn's text or calls before it: one turn
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":

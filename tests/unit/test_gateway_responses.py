@@ -26,6 +26,7 @@ def test_input_items_become_chat_messages() -> None:
     items = [{"role": "developer", "content": "be brief"},
              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather "},
                                                              {"type": "input_text", "text": "in Paris?"}]},
+             {"role": "assistant", "content": "Let me look."},
              {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
              {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
              {"type": "function_call_output", "call_id": "call_1", "output": "21 C"},
@@ -39,8 +40,8 @@ def test_input_items_become_chat_messages() -> None:
     assert message == [
         ("system", "You are Forge.", [], None), ("developer", "be brief", [], None),
         ("user", "Weather in Paris?", [], None),
-        ("assistant", "", [("call_1", "get_weather", '{"city": "Paris"}'), ("call_2", "get_weather", '{"city": "Rome"}')],
-         None),
+        ("assistant", "Let me look.", [("call_1", "get_weather", '{"city": "Paris"}'),
+                                       ("call_2", "get_weather", '{"city": "Rome"}')], None),
         ("tool", "21 C", [], "call_1"), ("tool", "25 C", [], "call_2"), ("assistant", "Warm.", [], None)]
     assert (chat.max_tokens, chat.temperature, chat.tool_choice, chat.parallel_tool_calls) == (20, 0.5, "required", False)
     [tool] = chat.tools
