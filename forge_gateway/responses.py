@@ -294,13 +294,12 @@ class ResponsesStream(convert._Stream):
             final = message.final
             self.status = _status(final)
             self.final_usage = _usage(final.usage)
-            return self._close()
+            # An empty answer is an empty message, as a whole response has it.
+            return (self._open_message() if not self.output and self.open is None else []) + self._close()
         events: list[dict[str, Any]] = []
         if message.chunk.text:
             if self.open is None or self.open["type"] != "message":
-                events += self._close() + self._open(_message_item(_item_id("msg"), "", "in_progress"))
-                events.append(self._event("content_part.added", item_id=self.open["id"], output_index=len(self.output),
-                                          content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+                events += self._close() + self._open_message()
             self.text += message.chunk.text
             events.append(self._event("output_text.delta", item_id=self.open["id"], output_index=len(self.output),
                                       content_index=0, delta=message.chunk.text, logprobs=[]))
@@ -316,6 +315,11 @@ class ResponsesStream(convert._Stream):
     def end(self) -> list[dict[str, Any]]:
         done = "completed" if self.status[0] == "completed" else "incomplete"
         return self._close() + [self._event(done, response=self._response())]
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        events = self._open(_message_item(_item_id("msg"), "", "in_progress"))
+        return events + [self._event("content_part.added", item_id=self.open["id"], output_index=len(self.output),
+                                     content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
 
     def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         self.open, self.text = item, ""

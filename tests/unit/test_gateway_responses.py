@@ -127,6 +127,15 @@ def test_a_stream_becomes_the_responses_events_in_order() -> None:
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
 
 
+def test_an_empty_answer_streams_as_an_empty_message_as_a_whole_response_has_it() -> None:
+    final = pb.StreamFinal(finish_reason=pb.FINISH_REASON_STOP)
+    streamed = stream_events([pb.StreamResponse(final=final)])[-1]["response"]["output"]
+    whole = responses.response(pb.GenerateResponse(choices=[pb.Choice(finish_reason=pb.FINISH_REASON_STOP)]), "r", 0,
+                               request())["output"]
+    assert [(i["type"], i["content"][0]["text"]) for i in streamed] == [("message", "")] == \
+        [(i["type"], i["content"][0]["text"]) for i in whole]
+
+
 def test_a_stream_cut_by_max_output_tokens_ends_incomplete() -> None:
     final = pb.StreamFinal(finish_reason=pb.FINISH_REASON_LENGTH)
     events = stream_events([pb.StreamResponse(chunk=pb.StreamChunk(text="abc")), pb.StreamResponse(final=final)])
