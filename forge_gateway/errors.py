@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 from fastapi.responses import JSONResponse
 
-from forge_service.errors import ERROR_FIELD_KEY, ERROR_KIND_KEY
+from forge_service.errors import ERROR_FIELD_KEY, ERROR_KIND_KEY, QUEUE_FULL
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", None),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
     grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", None),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "queue_full"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", QUEUE_FULL),
     grpc.StatusCode.CANCELLED: (499, "cancelled", None),
     grpc.StatusCode.UNIMPLEMENTED: (501, "invalid_request_error", "not_implemented"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "unavailable"),
@@ -76,17 +76,13 @@ def from_grpc(error: grpc.aio.AioRpcError) -> GatewayError:
     """The OpenAI error for a failed call: status and type by its code; param and code from the
     field and kind the service marks it with (e.g. messages, context_length_exceeded)."""
     status, type_, code = GRPC_TO_HTTP.get(error.code(), (500, "server_error", None))
-    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not _queue_full(error):
-        # gRPC's own RESOURCE_EXHAUSTED (a message over its size limit) cannot succeed on a retry.
-        status, type_, code = 413, "invalid_request_error", "request_too_large"
     marks = dict(tuple(error.trailing_metadata() or ()))
+    # The service marks its one retryable RESOURCE_EXHAUSTED, a full queue; gRPC's own (a message
+    # over its size limit) cannot succeed on a retry.
+    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and marks.get(ERROR_KIND_KEY) != QUEUE_FULL:
+        status, type_, code = 413, "invalid_request_error", "request_too_large"
     return GatewayError(status, error.details() or error.code().name, type_,
                         param=openai_param(marks.get(ERROR_FIELD_KEY)), code=marks.get(ERROR_KIND_KEY) or code)
-
-
-def _queue_full(error: grpc.aio.AioRpcError) -> bool:
-    """The service marks its one retryable RESOURCE_EXHAUSTED, a full queue, in trailing metadata."""
-    return (ERROR_KIND_KEY, "queue_full") in tuple(error.trailing_metadata() or ())
 
 
 def internal_error(error: BaseException) -> GatewayError:

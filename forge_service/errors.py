@@ -4,6 +4,12 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+# Kinds: a prompt (with max_tokens) longer than the context or the KV cache; a bound the
+# server's flags set (--max-messages, --max-total-tokens, ...); a full queue (QueueFull).
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+LIMIT_EXCEEDED = "limit_exceeded"
+QUEUE_FULL = "queue_full"
+
 
 class ForgeError(Exception):
     """Base class for errors that reach a client. `code` names a grpc.StatusCode member.
@@ -40,7 +46,7 @@ class QueueFull(ForgeError):
     can tell it from gRPC's own RESOURCE_EXHAUSTED for an over-large message."""
 
     code = "RESOURCE_EXHAUSTED"
-    kind = "queue_full"
+    kind = QUEUE_FULL
 
 
 class Unavailable(ForgeError):
@@ -86,10 +92,6 @@ class ModelLoadError(ForgeError):
 # Trailing-metadata keys: the kind of a typed error, and the request field it is about.
 ERROR_KIND_KEY = "forge-error-kind"
 ERROR_FIELD_KEY = "forge-error-field"
-# Kinds: a prompt (with max_tokens) longer than the context or the KV cache; a bound the
-# server's flags set (--max-messages, --max-total-tokens, ...); a full queue (QueueFull).
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-LIMIT_EXCEEDED = "limit_exceeded"
 # Bound on a status message on the wire. gRPC sends it percent-encoded in the grpc-message trailer,
 # and a client refuses trailers over its metadata limit (8 KiB by default) with RESOURCE_EXHAUSTED.
 MAX_DETAILS_WIRE_BYTES = 2000
