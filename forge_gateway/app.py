@@ -324,7 +324,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream(request: Request, messages: list[pb.GenerateRequest], formatter: convert._Stream,
+async def _stream(request: Request, messages: list[pb.GenerateRequest], formatter: convert.StreamFormatter,
                   timeout: float) -> Response:
     """Start the streams; errors before the first message are HTTP errors, later ones SSE events."""
     calls = [_stub(request).Stream(m, timeout=timeout) for m in messages]
@@ -375,7 +375,7 @@ def _sse_event(payload: dict[str, Any], event: str | None = None) -> str:
 
 
 async def _sse(first: tuple[int, pb.StreamResponse], rest: AsyncIterator[tuple[int, pb.StreamResponse]],
-               formatter: convert._Stream) -> AsyncIterator[str]:
+               formatter: convert.StreamFormatter) -> AsyncIterator[str]:
     """The stream's chunks, then `[DONE]` (a Responses stream: events named by their type, and no
     `[DONE]`); a failure after the first chunk is one `error` event (OpenAI error JSON) that ends
     the stream without `[DONE]`."""

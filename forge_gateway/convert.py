@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, Protocol
 
 from forge_gateway import tools
 from forge_gateway.errors import GatewayError
@@ -201,12 +201,26 @@ def text_completion(resps: list[pb.GenerateResponse], response_id: str, created:
 
 # ---- streams -------------------------------------------------------------------------
 
+class StreamFormatter(Protocol):
+    """What the gateway's SSE loop needs of a stream's formatter: the events to send first, for each
+    stream message (with its prompt's index), and last."""
+
+    named_events: bool  # SSE events named by their payload's type (the Responses API's)
+    done_marker: bool  # the stream ends with `data: [DONE]`
+
+    def start(self) -> list[dict[str, Any]]: ...
+
+    def on_message(self, prompt: int, message: pb.StreamResponse) -> list[dict[str, Any]]: ...
+
+    def end(self) -> list[dict[str, Any]]: ...
+
+
 class _Stream:
     """Turns stream messages from one or more prompts into OpenAI chunk objects."""
 
     object_name = ""
-    named_events = False  # SSE events named by their payload's type (the Responses API's)
-    done_marker = True  # the stream ends with `data: [DONE]`
+    named_events = False
+    done_marker = True
 
     def __init__(self, response_id: str, created: int, model: str, n: int, want_logprobs: bool,
                  include_usage: bool) -> None:

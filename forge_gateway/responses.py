@@ -259,16 +259,15 @@ def response(resp: pb.GenerateResponse, response_id: str, created: int, req: Res
             "usage": _usage(resp.usage)}
 
 
-class ResponsesStream(convert._Stream):
+class ResponsesStream:
     """Stream messages of one chat completion -> the Responses API's events (SSE `event:` named
-    by their type, no `[DONE]`)."""
+    by their type, no `[DONE]`): a convert.StreamFormatter."""
 
     named_events = True
     done_marker = False
 
     def __init__(self, response_id: str, created: int, req: ResponsesRequest) -> None:
-        super().__init__(response_id, created, req.model, 1, False, False)
-        self.req = req
+        self.response_id, self.created, self.model, self.req = response_id, created, req.model, req
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the output item being streamed
@@ -287,7 +286,7 @@ class ResponsesStream(convert._Stream):
                 **_echo(self.req), "usage": self.final_usage}
 
     def start(self) -> list[dict[str, Any]]:
-        return [self._event("created", response=self._response()), self._event("in_progress", response=self._response())]
+        return [self._event(kind, response=self._response()) for kind in ("created", "in_progress")]
 
     def on_message(self, prompt: int, message: pb.StreamResponse) -> list[dict[str, Any]]:
         if not message.HasField("chunk"):
@@ -305,7 +304,8 @@ class ResponsesStream(convert._Stream):
                                       content_index=0, delta=message.chunk.text, logprobs=[]))
         for delta in message.chunk.tool_calls:
             if delta.id:  # a call's first piece
-                events += self._close() + self._open(_call_item(_item_id("fc"), delta.id, delta.name, "", "in_progress"))
+                call = _call_item(_item_id("fc"), delta.id, delta.name, "", "in_progress")
+                events += self._close() + self._open(call)
             if delta.arguments and self.open is not None:
                 self.open["arguments"] += delta.arguments
                 events.append(self._event("function_call_arguments.delta", item_id=self.open["id"],
