@@ -18,11 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from forge_gateway import convert
 from forge_gateway.errors import GatewayError
-from forge_gateway.models import ChatCompletionRequest
+from forge_gateway.models import _CONFIG, _INT32, ChatCompletionRequest
 from forge_service.pb import forge_pb2 as pb
 
-_CONFIG = ConfigDict(extra="allow", strict=True)
-_INT32 = 2**31 - 1
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = ("user", "system", "developer", "assistant")
 # Chat parameters -> the Responses parameters they came from (for an error's param).
