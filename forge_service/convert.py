@@ -26,7 +26,7 @@ FINISH_REASONS = {
 # SamplingParams' attributes that do not come from sampling.<name>: the GenerateRequest field each does.
 _REQUEST_FIELDS = {"n": "n", "max_tokens": "stopping.max_tokens", "stop": "stopping.stop",
                    "stop_token_ids": "stopping.stop_token_ids", "logprobs": "top_logprobs",
-                   "num_speculative_tokens": "num_speculative_tokens"}
+                   "num_speculative_tokens": "num_speculative_tokens", "prompt_logprobs": "prompt_logprobs"}
 _SAMPLING_FIELDS = {f.name for f in pb.SamplingParameters.DESCRIPTOR.fields}
 
 
@@ -83,6 +83,7 @@ def sampling_params(request: pb.GenerateRequest, setup: ToolSetup | None = None)
         stop_token_ids=list(t.stop_token_ids),
         ignore_eos=t.ignore_eos,
         logprobs=request.top_logprobs if request.logprobs else None,
+        prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
         include_stop_str_in_output=t.include_stop_str_in_output,
         skip_special_tokens=t.skip_special_tokens if t.HasField("skip_special_tokens") else True,
         constraint=setup.constraint() if setup is not None and setup.calls_allowed else constraint(request),
@@ -170,6 +171,17 @@ def _token_logprob(entry: Any) -> pb.TokenLogprob:
                            bytes=raw if raw is not None else entry.token.encode(), rank=entry.rank or 0)
 
 
+def first_prompt_token(tokenizer: Any, token_id: int) -> pb.TokenLogprob:
+    """A prompt's first token as prompt logprobs show it: its id, text and bytes, no logprob."""
+    return pb.TokenLogprob(token_id=token_id, token=tokenizer.decode([token_id], skip_special_tokens=False),
+                           bytes=tokenizer.token_bytes(token_id))
+
+
+def prompt_logprobs(per_token: list[list[Any] | None], first: pb.TokenLogprob | None) -> pb.PromptLogprobs:
+    """The engine's prompt logprobs (None for the first token, then [chosen, *alternatives])."""
+    return pb.PromptLogprobs(positions=position_logprobs(per_token[1:]), first=first)
+
+
 def position_logprobs(per_token: list[list[Any]] | None) -> list[pb.PositionLogprobs]:
     """Engine logprobs ([chosen, *alternatives] per token) as proto messages."""
     return [pb.PositionLogprobs(chosen=_token_logprob(chosen), top=[_token_logprob(t) for t in top])
@@ -194,14 +206,19 @@ def _tool_call_delta(delta: Any) -> pb.ToolCallDelta:
 class StreamEncoder:
     """Turns one request's delta RequestOutputs into StreamResponse messages."""
 
-    def __init__(self, request_id: str, num_prompt_tokens: int, processor: OutputProcessor | None = None) -> None:
+    def __init__(self, request_id: str, num_prompt_tokens: int, processor: OutputProcessor | None = None,
+                 first_prompt_token: pb.TokenLogprob | None = None) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
+        self.first_prompt_token = first_prompt_token
         self.completion_tokens: dict[int, int] = {}
         self.processor = processor or OutputProcessor(request_id, None)
 
     def messages(self, output: Any) -> list[pb.StreamResponse]:
         messages = []
+        if output.prompt_logprobs is not None:  # on the request's first delta, before its tokens
+            prompt = prompt_logprobs(output.prompt_logprobs, self.first_prompt_token)
+            messages.append(pb.StreamResponse(request_id=self.request_id, prompt_logprobs=prompt))
         for completion in output.outputs:
             count = self.completion_tokens.get(completion.index, 0) + len(completion.token_ids)
             self.completion_tokens[completion.index] = count
@@ -250,16 +267,20 @@ class GenerateAccumulator:
     """Collects one request's delta RequestOutputs into a GenerateResponse."""
 
     def __init__(self, request_id: str, model: str, num_prompt_tokens: int,
-                 processor: OutputProcessor | None = None) -> None:
+                 processor: OutputProcessor | None = None, first_prompt_token: pb.TokenLogprob | None = None) -> None:
         self.request_id = request_id
         self.model = model
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
+        self.first_prompt_token = first_prompt_token
+        self.prompt_logprobs: pb.PromptLogprobs | None = None
         self.choices: dict[int, _Choice] = {}
         self.processor = processor or OutputProcessor(request_id, None)
 
     def add(self, output: Any) -> None:
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs(output.prompt_logprobs, self.first_prompt_token)
         for completion in output.outputs:
             choice = self.choices.setdefault(completion.index, _Choice())
             choice.text.append(self.processor.feed(completion.index, completion.text).text)
@@ -286,4 +307,5 @@ class GenerateAccumulator:
                          completion_tokens=sum(len(c.token_ids) for c in self.choices.values()),
                          draft_tokens=sum(c.draft_tokens for c in self.choices.values()),
                          accepted_draft_tokens=sum(c.accepted_draft_tokens for c in self.choices.values()))
-        return pb.GenerateResponse(request_id=self.request_id, model=self.model, choices=choices, usage=usage)
+        return pb.GenerateResponse(request_id=self.request_id, model=self.model, choices=choices, usage=usage,
+                                   prompt_logprobs=self.prompt_logprobs)

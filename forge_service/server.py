@@ -77,6 +77,7 @@ class _Prepared:
     prompt: list[int]
     params: Any
     output: convert.OutputProcessor  # tool-call parsing, the after-the-fact schema check
+    first_prompt_token: pb.TokenLogprob | None = None  # with prompt_logprobs: the one they leave out
     # The engine's key: fresh per request, so a client's id can never reach another's request.
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -92,7 +93,8 @@ class ForgeServicer(pb_grpc.ForgeServicer):
             async with self._rpc(context) as model:
                 prepared = await self._service.prepare(request, model)
                 rpc.prepared(model.name, prepared.prompt, prepared.params)
-                result = convert.GenerateAccumulator(prepared.request_id, model.name, len(prepared.prompt), prepared.output)
+                result = convert.GenerateAccumulator(prepared.request_id, model.name, len(prepared.prompt), prepared.output,
+                                                     prepared.first_prompt_token)
                 async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
                     async for output in outputs:
                         result.add(output)
@@ -104,7 +106,8 @@ class ForgeServicer(pb_grpc.ForgeServicer):
             async with self._rpc(context) as model:
                 prepared = await self._service.prepare(request, model)
                 rpc.prepared(model.name, prepared.prompt, prepared.params)
-                encoder = convert.StreamEncoder(prepared.request_id, len(prepared.prompt), prepared.output)
+                encoder = convert.StreamEncoder(prepared.request_id, len(prepared.prompt), prepared.output,
+                                                prepared.first_prompt_token)
                 async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
                     async for output in outputs:
                         rpc.output(output)
@@ -196,7 +199,8 @@ async def _prepare(request: pb.GenerateRequest, model: LoadedModel, config: Serv
     with blame(request.WhichOneof("constraint") or ("tools" if tools is not None else None)):
         await model.engine.compile_constraint(params)  # structured output: compiled before it is queued
     request_id = request.request_id or uuid.uuid4().hex
-    return _Prepared(request_id, prompt, params, convert.output_processor(request, request_id, tools))
+    first = None if params.prompt_logprobs is None else convert.first_prompt_token(model.tokenizer, prompt[0])
+    return _Prepared(request_id, prompt, params, convert.output_processor(request, request_id, tools), first)
 
 
 def _prompt_chars(request: pb.GenerateRequest) -> int:

@@ -163,6 +163,8 @@ class LLMEngine:
             prompt_token_ids=list(prompt), sampling_params=params, stop_token_set=frozenset(stops),
             max_model_len=self.max_model_len, parent_id=request_id, index=index, label=label,
             seed=None if params.seed is None else params.seed + index,
+            # The prompt is the same for every completion: the first computes its logprobs.
+            prompt_logprobs={} if params.prompt_logprobs is not None and index == 0 else None,
         )
 
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -340,6 +342,10 @@ class LLMEngine:
         parent = self.parents.get(request.parent_id)
         if processor is None or parent is None:  # aborted between schedule and now
             return
+        # The prompt is computed whole by its first token; its logprobs go out once, with it (a
+        # recompute after preemption then skips them).
+        prompt_logprobs = None if request.prompt_logprobs is None else self.token_texts.prompt(request)
+        request.prompt_logprobs = None
         if s.refused:  # outside its grammar: neither passed off as complete nor continued unconstrained
             self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ABORTED)
             request.status, request.stop_reason = RequestStatus.FINISHED_ABORTED, None
@@ -358,6 +364,7 @@ class LLMEngine:
             self._forget(request.request_id)
         out = deltas.setdefault(parent.request_id, RequestOutput(parent.request_id, parent.prompt_token_ids, []))
         out.num_cached_tokens = max(out.num_cached_tokens, request.num_cached_tokens)
+        out.prompt_logprobs = out.prompt_logprobs or prompt_logprobs
         out.outputs.append(delta)
         if len(parent.finished) == len(parent.children):
             out.finished = True

@@ -22,6 +22,22 @@ class TokenTexts:
             entry = self.cache[token_id] = (text, self.tokenizer.token_bytes(token_id))
         return entry
 
+    def entries(self, token_id: int, logprob: float, rank: int | None,
+                top: list[tuple[int, float]] | None) -> list[Logprob]:
+        """One position's logprobs: the chosen token, then the top alternatives (ranks 1, 2, ...)."""
+        chosen = Logprob(token_id, logprob, rank, *self(token_id))
+        return [chosen, *(Logprob(t, lp, r + 1, *self(t)) for r, (t, lp) in enumerate(top or []))]
+
+    def prompt(self, request: Request) -> list[list[Logprob] | None]:
+        """The request's prompt logprobs as returned: None for the first token (nothing comes
+        before it), then one entry per prompt token. Every position must have been computed."""
+        found = request.prompt_logprobs or {}
+        missing = [p for p in range(1, request.num_prompt_tokens) if p not in found]
+        if missing:
+            raise RuntimeError(f"prompt logprobs of {len(missing)} positions were not computed (first: {missing[0]})")
+        rows = (found[p] for p in range(1, request.num_prompt_tokens))
+        return [None, *(self.entries(r.token_id, r.logprob, r.rank, r.top) for r in rows)]
+
 
 class CompletionProcessor:
     """Turns one request's sampled tokens into text deltas; reports a matched stop string."""
@@ -66,6 +82,4 @@ class CompletionProcessor:
         return text + self.stops.flush()
 
     def _logprobs(self, s: SampledToken) -> list[Logprob]:
-        chosen = Logprob(s.token_id, s.logprob, s.rank, *self.token_texts(s.token_id))
-        top = [Logprob(t, lp, r + 1, *self.token_texts(t)) for r, (t, lp) in enumerate(s.top or [])]
-        return [chosen, *top]
+        return self.token_texts.entries(s.token_id, s.logprob, s.rank, s.top)

@@ -62,6 +62,9 @@ class RequestOutput:
     finished: bool = False
     prompt: str | None = None
     num_cached_tokens: int = 0
+    # With prompt_logprobs: None for the prompt's first token, then [chosen, *top alternatives]
+    # per prompt token; on the request's first delta only.
+    prompt_logprobs: list[list[Logprob] | None] | None = None
     # Set when the engine failed while computing this request (finish_reason "error"): a message
     # for the client with an error id that is also in the log. The other requests went on.
     error: str | None = None
@@ -71,6 +74,7 @@ class RequestOutput:
         self.finished = self.finished or later.finished
         self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
         self.error = later.error or self.error
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         mine = {o.index: o for o in self.outputs}
         for delta in later.outputs:
             if delta.index in mine:

@@ -32,6 +32,10 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no logprobs. k >= 0: the chosen token's logprob plus the top-k alternatives.
     logprobs: int | None = None
+    # None: no prompt logprobs. k >= 0: for every prompt token after the first, its logprob
+    # given the tokens before it, plus the top-k alternatives there. The prompt is computed in
+    # full (no prefix-cache hit), since a cached position has no logits.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Structured output: the text must match it (JSON Schema, any JSON object, regex, choice,
@@ -80,6 +84,8 @@ class SamplingParams:
              f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
              f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS, "prompt_logprobs",
+             f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
             (len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}"),
             (self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 64, "num_speculative_tokens",
@@ -102,6 +108,17 @@ class SamplingParams:
             if vocab_size is not None and not 0 <= token_id < vocab_size:
                 raise InvalidArgument(f"stop_token_ids entry {token_id} is outside the vocabulary [0, {vocab_size})",
                                       field="stop_token_ids")
+
+
+@dataclass
+class PromptLogprob:
+    """A prompt token's logprob under the model given the tokens before it, its rank, and the
+    top alternatives there (ids and logprobs, most likely first)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -163,6 +180,9 @@ class Request:
     # Speculative decoding: tokens drafted for this request, and how many of them were accepted.
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
+    # With prompt_logprobs (the first of n completions only): prompt position -> what the runner
+    # found there (see PromptLogprob), keyed so that a recomputed chunk overwrites, never adds.
+    prompt_logprobs: dict[int, PromptLogprob] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -249,7 +249,10 @@ class Scheduler:
 
     def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
         """The first chunk of the head of the queue, after its prefix-cache hit; None if it does not fit now."""
-        cached = self.kv.match_prefix(request.request_id, request.all_token_ids)
+        # A request that still wants its prompt's logprobs computes every prompt position: a
+        # cached one would have no logits. Its blocks are cached for others all the same.
+        cached = 0 if request.prompt_logprobs is not None else self.kv.match_prefix(
+            request.request_id, request.all_token_ids)
         request.num_computed_tokens = cached
         n = min(request.num_tokens - request.num_computed_tokens, budget)
         block_ids = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n)

@@ -11,6 +11,7 @@ import torch
 from forge_service.backends.base import AttentionMetadata, PrefillSeq
 from forge_service.config import CacheConfig
 from forge_service.engine.outputs import ScheduledChunk, SchedulerOutput
+from forge_service.engine.request import PromptLogprob, Request
 from forge_service.models.arch import ArchConfig
 from forge_service.sampling import RowSampling, Sampler, SamplingMetadata
 from forge_service.structured import MatcherSet
@@ -111,15 +112,32 @@ class ModelRunner:
         meta = self.backend.prepare(meta)  # the backend's form, on its device, once per step
         input_ids, positions = input_ids.to(self.device), positions.to(self.device)
         sampling = [c for c in ordered if c.samples]
-        rows = torch.tensor(logit_rows or [0], device=self.device)
+        scored = _prompt_rows(ordered)  # after the sampled rows: logits for prompt logprobs
+        rows = torch.tensor(logit_rows + [row for _, _, row in scored] or [0], device=self.device)
         logits = self.backend.run(self.forward, input_ids, positions, meta, rows)
+        if scored:
+            self._score_prompt(logits[len(logit_rows):], scored)
         if not sampling:
             return []
-        sampled = self._sample(logits, sampling)
+        sampled = self._sample(logits[:len(logit_rows)], sampling)
         by_id: dict[str, list[SampledToken]] = {}
         for s in sampled:
             by_id.setdefault(s.request_id, []).append(s)
         return [s for c in out.chunks if c.samples for s in by_id[c.request.request_id]]
+
+    def _score_prompt(self, logits: torch.Tensor, scored: list[tuple[Request, int, int]]) -> None:
+        """Each scored row's logprobs of the prompt token after it, kept on its request by position
+        (so a chunk computed again after a failed step or a preemption overwrites, never adds)."""
+        targets = torch.tensor([r.prompt_token_ids[p + 1] for r, p, _ in scored], device=logits.device)
+        k = max(r.sampling_params.prompt_logprobs for r, _, _ in scored)
+        res = self.sampler.score(logits, targets, k)
+        logprobs, ranks = res.logprobs.tolist(), res.ranks.tolist()
+        top_ids, top_logprobs = res.top_ids.tolist(), res.top_logprobs.tolist()
+        for i, (request, position, _) in enumerate(scored):
+            want = request.sampling_params.prompt_logprobs
+            top = list(zip(top_ids[i][:want], top_logprobs[i][:want]))
+            request.prompt_logprobs[position + 1] = PromptLogprob(
+                request.prompt_token_ids[position + 1], logprobs[i], ranks[i], top)
 
     def _copy_kv(self, source: int, block: int, tokens: int) -> None:
         """The first `tokens` slots of a cached block into a request's own block, every layer."""
@@ -267,6 +285,20 @@ class ModelRunner:
             else:
                 s.top = []
         return s
+
+
+def _prompt_rows(chunks: list[ScheduledChunk]) -> list[tuple[Request, int, int]]:
+    """(request, position, flat row) of each row whose next token is a prompt token, for the
+    requests that want prompt logprobs; rows are numbered across `chunks` in order."""
+    rows: list[tuple[Request, int, int]] = []
+    offset = 0
+    for c in chunks:
+        request = c.request
+        if request.prompt_logprobs is not None:
+            last = min(c.end, request.num_prompt_tokens - 1)  # the prompt's last token predicts output
+            rows.extend((request, p, offset + p - c.start) for p in range(c.start, last))
+        offset += c.num_tokens
+    return rows
 
 
 def accepted_run(draft: list[int], sampled: list[int]) -> list[int]:

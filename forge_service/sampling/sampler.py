@@ -43,7 +43,12 @@ class Sampler:
         token_ids = _choose(logits, meta)
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None, None, None, None)
-        return _with_logprobs(token_ids, raw_logprobs, meta.max_num_logprobs)
+        return with_logprobs(token_ids, raw_logprobs, meta.max_num_logprobs)
+
+    def score(self, logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> SamplerOutput:
+        """Given tokens (the prompt's, for prompt logprobs) under the raw distribution of
+        `logits` [N, V] float32: each one's logprob and 1-based rank, and the top-k alternatives."""
+        return with_logprobs(token_ids, torch.log_softmax(logits, -1), k)
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -143,7 +148,7 @@ def _noise(meta: SamplingMetadata, device: torch.device) -> torch.Tensor:
     return noise.clamp_min_(_TINY)  # q = 0 would turn a zero probability into 0 / 0
 
 
-def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor, k: int) -> SamplerOutput:
+def with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor, k: int) -> SamplerOutput:
     """Logprob, top-k alternatives and rank of each chosen token under the raw distribution."""
     chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [N, 1]
     top_logprobs, top_ids = ops.topk(raw_logprobs, k)  # [N, k], descending

@@ -1,10 +1,11 @@
-"""GPU: the engine tests on tiny models (tests/unit/test_engine_tiny.py, test_speculative_engine.py
-and test_structured_engine.py) on the CUDA backend, on models whose head_dim (64) the GPU's decode
-kernel takes: greedy decoding against transformers across chunks, batch against solo under
-preemption, n and seeds, stops, prefix-cache hits (a block's first tokens copied; a prompt's last
-token alone); speculation's greedy and seeded outputs unchanged in mixed batches, opt-out and caps,
-KV rollback, stops inside an accepted run, the sampled law (chi-square, the wrong verifier caught);
-structured output under chunked prefill, preemption and n, JSON schemas, stops and grammar limits.
+"""GPU: the engine tests on tiny models (tests/unit/test_engine_tiny.py, test_speculative_engine.py,
+test_prompt_logprobs.py and test_structured_engine.py) on the CUDA backend, on models whose head_dim
+(64) the GPU's decode kernel takes: greedy decoding against transformers across chunks, batch against
+solo under preemption, n and seeds, stops, prefix-cache hits (a block's first tokens copied; a
+prompt's last token alone); prompt logprobs over a cached prompt and under preemption; speculation's
+greedy and seeded outputs unchanged in mixed batches, opt-out and caps, KV rollback, stops inside an
+accepted run, the sampled law (chi-square, the wrong verifier caught); structured output under
+chunked prefill, preemption and n, JSON schemas, stops and grammar limits.
 
 Each test is the CPU one, run with the engines it builds (its module's `LLM`) on the GPU."""
 from __future__ import annotations
@@ -14,12 +15,13 @@ import pytest
 from tests.kernels.helpers import engines_on
 from tests.tiny_models import GPU_SIZES, tiny_arch, tiny_tokenizer_json, unigram_weights, write_safetensors_dir
 from tests.unit import test_engine_tiny as tiny_tests
+from tests.unit import test_prompt_logprobs as prompt_tests
 from tests.unit import test_speculative_engine as engine_tests
 from tests.unit.test_engine_tiny import CHATML_TEMPLATE, llm, sharp_weights  # noqa: F401 (llm: a fixture)
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
-on_the_gpu = engines_on(DEVICE, tiny_tests, engine_tests)  # llm's engine among them
+on_the_gpu = engines_on(DEVICE, tiny_tests, engine_tests, prompt_tests)  # llm's engine among them
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +53,10 @@ test_prefix_caching_reuses_blocks_without_changing_outputs = tiny_tests.test_pre
 test_a_prefix_that_ends_inside_a_block_is_copied_not_recomputed = \
     tiny_tests.test_a_prefix_that_ends_inside_a_block_is_copied_not_recomputed
 test_a_prompt_s_last_token_alone_takes_the_prefill_path = tiny_tests.test_a_prompt_s_last_token_alone_takes_the_prefill_path
+test_prompt_logprobs_compute_a_cached_prompt_and_leave_its_blocks_to_others = \
+    prompt_tests.test_prompt_logprobs_compute_a_cached_prompt_and_leave_its_blocks_to_others
+test_prompt_logprobs_survive_preemption_and_come_once_for_n_completions = \
+    prompt_tests.test_prompt_logprobs_survive_preemption_and_come_once_for_n_completions
 
 test_mixed_batch_with_preemption_and_prefix_cache_is_unchanged = \
     engine_tests.test_mixed_batch_with_preemption_and_prefix_cache_is_unchanged

@@ -36,6 +36,11 @@ class CudaSampler:
             return SamplerOutput(token_ids, None, None, None, None)
         return with_logprobs(token_ids, raw_logprobs, meta.max_num_logprobs)
 
+    def score(self, logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> SamplerOutput:
+        """Given tokens (the prompt's, for prompt logprobs) under the raw distribution of
+        `logits` [N, V] float32: each one's logprob and 1-based rank, and the top-k alternatives."""
+        return with_logprobs(token_ids, torch.log_softmax(logits, -1), k)
+
     def _row_params(self, meta: SamplingMetadata, device: torch.device) -> tuple[torch.Tensor, ...]:
         n = meta.num_rows
         temperature = torch.ones(n, device=device) if meta.temperature is None else meta.temperature.view(n).float()

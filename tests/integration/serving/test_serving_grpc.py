@@ -139,3 +139,34 @@ def test_bad_requests_get_typed_status_codes(forge_server: ForgeProcess, request
         forge_server.stub.Generate(pb.GenerateRequest(text=TEXT, **request_fields), timeout=10)
     assert error.value.code() == code
     assert words in error.value.details()
+
+
+def test_prompt_logprobs_come_once_before_the_tokens_and_equal_the_offline_api(idle_server: ForgeProcess,
+                                                                              llm_fp32) -> None:
+    ids = llm_fp32.tokenizer.encode(TEXT)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), prompt_logprobs=2, n=2,
+                                 sampling=pb.SamplingParameters(temperature=0.0),
+                                 stopping=pb.StoppingParameters(max_tokens=3))
+    response = idle_server.stub.Generate(request, timeout=120)
+    request.n = 1
+    streamed = list(idle_server.stub.Stream(request, timeout=120))
+    with torch_threads(1):
+        [expected] = llm_fp32.generate([ids], SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2))
+    prompt = response.prompt_logprobs
+    assert (prompt.first.token_id, prompt.first.token) == (ids[0], llm_fp32.tokenizer.decode(ids[:1]))
+    assert [p.chosen.token_id for p in prompt.positions] == ids[1:]
+    assert [p.chosen.logprob for p in prompt.positions] == pytest.approx(
+        [entry[0].logprob for entry in expected.prompt_logprobs[1:]], abs=1e-4)
+    assert [[t.token_id for t in p.top] for p in prompt.positions] == \
+        [[t.token_id for t in entry[1:]] for entry in expected.prompt_logprobs[1:]]
+    assert len(response.choices) == 2  # and the prompt's logprobs once
+    assert streamed[0].WhichOneof("event") == "prompt_logprobs"  # first, once
+    assert [m.WhichOneof("event") for m in streamed].count("prompt_logprobs") == 1
+    assert streamed[0].prompt_logprobs == prompt
+    # A scored prompt is computed whole, though the Generate call before left it cached.
+    assert [m.final.usage.cached_tokens for m in streamed if m.HasField("final")] == [0]
+
+    with pytest.raises(grpc.RpcError) as bad:
+        idle_server.stub.Generate(pb.GenerateRequest(text=TEXT, prompt_logprobs=21), timeout=60)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(bad.value.trailing_metadata())["forge-error-field"] == "prompt_logprobs"
