@@ -235,13 +235,15 @@ async def _completions(request: Request, body: CompletionRequest, config: Gatewa
     messages = convert.completion_requests(body, request_id)
     created, timeout = int(time.time()), _timeout(request, config)
     want_logprobs = body.logprobs is not None
+    echo = body.prompts() if body.echo else None
     if body.stream:
         formatter = convert.CompletionStream(response_id, created, body.model, body.n, want_logprobs,
-                                             body.include_usage)
+                                             body.include_usage, echo=echo)
         return await _stream(request, messages, formatter, timeout)
     calls = [_replicas(request).generate(m, timeout) for m in messages]
     responses = await _unless_disconnected(request, asyncio.gather(*(_answer(request, c) for c in calls)), _canceller(calls))
-    return JSONResponse(convert.text_completion(responses, response_id, created, body.model, body.n, want_logprobs))
+    return JSONResponse(convert.text_completion(responses, response_id, created, body.model, body.n, want_logprobs,
+                                                echo))
 
 
 async def _tokenize(request: Request, body: tokens.TokenizeRequest) -> Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from forge_gateway import tools
@@ -89,6 +90,8 @@ def completion_requests(req: CompletionRequest, request_id: str) -> list[pb.Gene
             sampling=_sampling(req), stopping=_stopping(req, req.max_tokens),
             logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, **constraint(req),
             **_speculative(req))
+        if req.echo:  # the prompt's logprobs come back with its tokens' text, which echo shows
+            message.prompt_logprobs = req.logprobs or 0
         if isinstance(prompt, str):
             message.text = prompt
         else:
@@ -163,6 +166,32 @@ def completion_logprobs(positions: Any, offset: int) -> dict[str, Any]:
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
+@dataclass
+class Echo:
+    """A prompt as a completion echoes it: its text, the prompt's part of the legacy logprobs,
+    and where the completion's text_offset goes on from."""
+
+    text: str
+    logprobs: dict[str, Any]
+    offset: int
+
+    @classmethod
+    def of(cls, prompt: str | list[int], lp: pb.PromptLogprobs) -> Echo:
+        """The prompt as sent when it was text; the text of its tokens when it was token ids."""
+        rest = completion_logprobs(lp.positions, len(lp.first.token))
+        logprobs = {"tokens": [lp.first.token, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+                    "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+        offset = len(lp.first.token) + sum(len(p.chosen.token) for p in lp.positions)
+        if isinstance(prompt, str):
+            return cls(prompt, logprobs, offset)
+        raw = b"".join([lp.first.bytes, *(p.chosen.bytes for p in lp.positions)])
+        return cls(raw.decode("utf-8", errors="replace"), logprobs, offset)
+
+    def joined(self, completion: dict[str, Any]) -> dict[str, Any]:
+        """The whole logprobs of an echoed completion: the prompt's, then the completion's."""
+        return {key: self.logprobs[key] + completion[key] for key in self.logprobs}
+
+
 # ---- whole (non-streaming) responses -------------------------------------------------
 
 def chat_completion(resp: pb.GenerateResponse, response_id: str, created: int, model: str,
@@ -187,13 +216,18 @@ def _message(choice: pb.Choice) -> dict[str, Any]:
 
 
 def text_completion(resps: list[pb.GenerateResponse], response_id: str, created: int, model: str,
-                    n: int, want_logprobs: bool) -> dict[str, Any]:
+                    n: int, want_logprobs: bool, echo: list[str | list[int]] | None = None) -> dict[str, Any]:
+    """`echo`: the prompts, when each completion starts with its own."""
     choices = []
     for p, resp in enumerate(resps):
+        echoed = Echo.of(echo[p], resp.prompt_logprobs) if echo else None
         for c in resp.choices:
-            choices.append({"index": p * n + c.index, "text": c.text,
-                            "logprobs": completion_logprobs(c.logprobs, 0) if want_logprobs else None,
-                            "finish_reason": finish_reason(c), "stop_reason": _stop_reason(c)})
+            logprobs = None
+            if want_logprobs:
+                logprobs = completion_logprobs(c.logprobs, echoed.offset if echoed else 0)
+                logprobs = echoed.joined(logprobs) if echoed else logprobs
+            choices.append({"index": p * n + c.index, "text": (echoed.text if echoed else "") + c.text,
+                            "logprobs": logprobs, "finish_reason": finish_reason(c), "stop_reason": _stop_reason(c)})
     return {"id": response_id, "object": "text_completion", "created": created,
             "model": (resps[0].model if resps else "") or model, "choices": choices,
             "system_fingerprint": None, "usage": _usage_of(resps)}
@@ -242,9 +276,12 @@ class _Stream:
         return []
 
     def on_message(self, prompt: int, message: pb.StreamResponse) -> list[dict[str, Any]]:
-        if message.HasField("chunk"):
+        kind = message.WhichOneof("event")
+        if kind == "chunk":
             choice = self._delta(prompt * self.n + message.chunk.index, message.chunk)
             return [self.chunk([choice])] if choice else []
+        if kind != "final":
+            return self._prompt(prompt, message.prompt_logprobs) if kind == "prompt_logprobs" else []
         final = message.final
         self.prompt_tokens[prompt] = final.usage.prompt_tokens
         self.cached_tokens[prompt] = final.usage.cached_tokens
@@ -259,6 +296,9 @@ class _Stream:
         total = usage(sum(self.prompt_tokens.values()), self.completion_tokens, sum(self.cached_tokens.values()),
                       self.draft_tokens, self.accepted_draft_tokens)
         return [{**self.chunk([]), "usage": total}]
+
+    def _prompt(self, prompt: int, logprobs: pb.PromptLogprobs) -> list[dict[str, Any]]:
+        return []  # asked for by completions' echo alone
 
     def _delta(self, index: int, chunk: pb.StreamChunk) -> dict[str, Any] | None:
         raise NotImplementedError
@@ -291,9 +331,23 @@ class ChatStream(_Stream):
 class CompletionStream(_Stream):
     object_name = "text_completion"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, echo: list[str | list[int]] | None = None, **kwargs: Any) -> None:
+        """`echo`: the prompts, when each completion starts with its own."""
         super().__init__(*args, **kwargs)
         self.offsets: dict[int, int] = {}
+        self.echo = echo
+
+    def _prompt(self, prompt: int, logprobs: pb.PromptLogprobs) -> list[dict[str, Any]]:
+        """Each of the prompt's completions begins with the echoed prompt (its logprobs too)."""
+        if not self.echo:
+            return []
+        echoed = Echo.of(self.echo[prompt], logprobs)
+        chunks = []
+        for index in range(prompt * self.n, (prompt + 1) * self.n):
+            self.offsets[index] = echoed.offset
+            chunks.append(self.chunk([{"index": index, "text": echoed.text, "finish_reason": None,
+                                       "logprobs": echoed.logprobs if self.want_logprobs else None}]))
+        return chunks
 
     def _delta(self, index: int, chunk: pb.StreamChunk) -> dict[str, Any] | None:
         if not chunk.text and not (self.want_logprobs and chunk.logprobs):

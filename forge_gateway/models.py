@@ -9,6 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from forge_gateway.tools import MessageToolCall, ToolChoice, ToolDef
 
 _INT32 = 2**31 - 1
+# The most alternatives a position's logprobs may list (the service's bound, checked here too so
+# that a completion's error names `logprobs`, which the service receives as top_logprobs).
+MAX_LOGPROBS = 20
 # Strict: a value of the wrong JSON type is a 400, never coerced ("3" is not an integer).
 # Unknown fields are kept (not dropped) so that limits.check_request can bound their size.
 _CONFIG = ConfigDict(extra="allow", strict=True)
@@ -182,7 +185,7 @@ class ChatCompletionRequest(_Common):
     max_tokens: int | None = Field(None, ge=1, le=_INT32)
     max_completion_tokens: int | None = Field(None, ge=1, le=_INT32)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=_INT32)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -204,15 +207,15 @@ Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 class CompletionRequest(_Common):
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=1, le=_INT32)
-    logprobs: int | None = Field(None, ge=0, le=_INT32)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # The prompt begins each completion's text (and its logprobs, with logprobs: the first token's
+    # is null); the prompt's logprobs are computed for it, a prompt's way to be scored.
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:

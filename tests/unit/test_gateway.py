@@ -542,3 +542,30 @@ def test_tokenize_and_detokenize(http: httpx.Client, fake: FakeForge) -> None:
                  {"model": "m", "prompt": "x", "add_special_tokens": False},
                  {"model": "m", "prompt": "x", "tools": [tool]}):
         assert http.post("/tokenize", json=body).status_code == 400, body
+
+
+def _scored(token: str, raw: bytes, logprob: float) -> pb.PositionLogprobs:
+    return pb.PositionLogprobs(chosen=pb.TokenLogprob(token=token, bytes=raw, logprob=logprob),
+                               top=[pb.TokenLogprob(token="x", logprob=-0.1)])
+
+
+def test_echo_decodes_a_token_prompt_whole_and_counts_offsets_on_into_the_completion() -> None:
+    # "é" split over two byte tokens, as byte-level vocabularies do: each shows U+FFFD alone.
+    prompt = pb.PromptLogprobs(first=pb.TokenLogprob(token="a", bytes=b"a"),
+                               positions=[_scored("\ufffd", b"\xc3", -1.5), _scored("\ufffd", b"\xa9", -0.5)])
+    answer = pb.GenerateResponse(prompt_logprobs=prompt, choices=[pb.Choice(
+        text="!", logprobs=[_scored("!", b"!", -2.0)], finish_reason=pb.FINISH_REASON_LENGTH)])
+    for echo in ([97, 195, 169], "a\u00e9"):
+        body = convert.text_completion([answer], "id", 0, "m", 1, True, [echo])
+        [choice] = body["choices"]
+        assert choice["text"] == "a\u00e9!"
+        lp = choice["logprobs"]
+        assert lp["tokens"] == ["a", "\ufffd", "\ufffd", "!"]
+        assert lp["token_logprobs"] == [None, -1.5, -0.5, -2.0]
+        assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {"x": pytest.approx(-0.1), "\ufffd": -1.5}
+        assert lp["text_offset"] == [0, 1, 2, 3]
+    stream = convert.CompletionStream("id", 0, "m", 2, False, False, echo=[[97, 195, 169]])
+    events = stream.on_message(0, pb.StreamResponse(prompt_logprobs=prompt))
+    assert [(e["choices"][0]["index"], e["choices"][0]["text"]) for e in events] == [(0, "a\u00e9"), (1, "a\u00e9")]
+    assert convert.ChatStream("id", 0, "m", 1, False, False).on_message(
+        0, pb.StreamResponse(prompt_logprobs=prompt)) == []  # asked for by completions' echo alone

@@ -331,3 +331,52 @@ def test_bad_x_request_timeout_is_400(forge_server, model_name) -> None:
     for value in ("soon", "nan", "-1"):
         response = post(forge_server, "/v1/completions", body, headers={"X-Request-Timeout": value})
         assert_openai_error(response, 400, "invalid_request_error", "invalid_value")
+
+
+def test_echo_scores_a_continuation_as_an_evaluation_harness_reads_it(idle_server, openai_client, model_name,
+                                                                     llm_fp32) -> None:
+    """lm-evaluation-harness's loglikelihood: the prompt is context + continuation, echo with
+    logprobs=1 and max_tokens=1; the continuation's tokens are token_logprobs[ctxlen:-1], and it is
+    greedy when each is the largest of its top_logprobs."""
+    greedy = openai_client.completions.create(model=model_name, prompt=TEXT, max_tokens=4, temperature=0, logprobs=1)
+    continuation = greedy.choices[0]
+    ctxlen = len(llm_fp32.tokenizer.encode(TEXT))
+
+    def score(text: str) -> tuple[Any, float, bool]:
+        response = openai_client.completions.create(model=model_name, prompt=text, max_tokens=1, temperature=0,
+                                                    logprobs=1, echo=True)
+        lp = response.choices[0].logprobs
+        assert response.choices[0].text.startswith(text) and "".join(lp.tokens) == response.choices[0].text
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+        tokens, tops = lp.token_logprobs[ctxlen:-1], lp.top_logprobs[ctxlen:-1]
+        return lp, sum(tokens), all(t == max(top.values()) for t, top in zip(tokens, tops))
+
+    lp, total, is_greedy = score(TEXT + continuation.text)
+    assert lp.tokens[ctxlen:-1] == continuation.logprobs.tokens  # the same tokens, scored in the prompt
+    assert lp.token_logprobs[ctxlen:-1] == pytest.approx(continuation.logprobs.token_logprobs, abs=1e-3)
+    assert is_greedy and total == pytest.approx(sum(continuation.logprobs.token_logprobs), abs=1e-3)
+    with torch_threads(1):
+        [offline_scores] = llm_fp32.generate(TEXT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    assert lp.token_logprobs[1:ctxlen] == pytest.approx(
+        [entry[0].logprob for entry in offline_scores.prompt_logprobs[1:]], abs=1e-3)
+    _, other, other_greedy = score(TEXT + " to eat a banana")
+    assert not other_greedy and other < total
+
+
+def test_echo_streams_each_prompt_first_and_decodes_token_prompts(idle_server, openai_client, model_name,
+                                                                   llm_fp32) -> None:
+    prompts = [llm_fp32.tokenizer.encode(TEXT), llm_fp32.tokenizer.encode("Hello, world")]
+    params = dict(model=model_name, prompt=prompts, max_tokens=4, temperature=0, n=2, echo=True)
+    whole = openai_client.completions.create(**params)
+    texts: dict[int, str] = {}
+    firsts: dict[int, str] = {}
+    for chunk in openai_client.completions.create(**params, stream=True):
+        for choice in chunk.choices:
+            firsts.setdefault(choice.index, choice.text)
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert sorted(texts) == [0, 1, 2, 3]
+    for choice in whole.choices:
+        prompt = [TEXT, "Hello, world"][choice.index // 2]
+        assert firsts[choice.index] == prompt  # the echo comes first, whole
+        assert texts[choice.index] == choice.text and choice.text.startswith(prompt) and len(choice.text) > len(prompt)
