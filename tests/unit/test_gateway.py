@@ -400,6 +400,8 @@ def test_openai_client_sees_typed_errors(client: openai.OpenAI, fake: FakeForge)
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}}, "logit_bias"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "num_speculative_tokens": 65},
      "num_speculative_tokens"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "prediction": {"type": "text", "content": "y"}},
@@ -413,6 +415,15 @@ def test_validation_errors_are_400(http: httpx.Client, fake: FakeForge, body: di
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert not fake.requests  # never reached the service
+
+
+@pytest.mark.parametrize("logprobs", [21, -1])
+def test_a_completion_s_logprobs_out_of_range_are_400_naming_logprobs(http: httpx.Client, fake: FakeForge,
+                                                                      logprobs: int) -> None:
+    for echo in (False, True):  # echo asks the service for the prompt's logprobs with the same bound
+        response = http.post("/v1/completions", json={"model": "m", "prompt": "x", "logprobs": logprobs, "echo": echo})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"
+    assert not fake.requests
 
 
 def test_a_validator_error_reads_as_its_own_message(http: httpx.Client) -> None:
