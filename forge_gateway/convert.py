@@ -192,6 +192,12 @@ class Echo:
         return {key: self.logprobs[key] + completion[key] for key in self.logprobs}
 
 
+def _no_prompt_logprobs() -> GatewayError:
+    """Echo without the prompt's logprobs, which only a service that predates them leaves out."""
+    return GatewayError(500, "the service sent no prompt logprobs to echo (is it older than the gateway?)",
+                        "server_error")
+
+
 # ---- whole (non-streaming) responses -------------------------------------------------
 
 def chat_completion(resp: pb.GenerateResponse, response_id: str, created: int, model: str,
@@ -220,6 +226,8 @@ def text_completion(resps: list[pb.GenerateResponse], response_id: str, created:
     """`echo`: the prompts, when each completion starts with its own."""
     choices = []
     for p, resp in enumerate(resps):
+        if echo and not resp.HasField("prompt_logprobs"):
+            raise _no_prompt_logprobs()
         echoed = Echo.of(echo[p], resp.prompt_logprobs) if echo else None
         for c in resp.choices:
             logprobs = None
@@ -280,8 +288,10 @@ class _Stream:
         if kind == "chunk":
             choice = self._delta(prompt * self.n + message.chunk.index, message.chunk)
             return [self.chunk([choice])] if choice else []
+        if kind == "prompt_logprobs":
+            return self._prompt(prompt, message.prompt_logprobs)
         if kind != "final":
-            return self._prompt(prompt, message.prompt_logprobs) if kind == "prompt_logprobs" else []
+            return []  # an event this gateway does not know
         final = message.final
         self.prompt_tokens[prompt] = final.usage.prompt_tokens
         self.cached_tokens[prompt] = final.usage.cached_tokens
@@ -336,6 +346,7 @@ class CompletionStream(_Stream):
         super().__init__(*args, **kwargs)
         self.offsets: dict[int, int] = {}
         self.echo = echo
+        self.echoed: set[int] = set()  # the choices that began with their prompt
 
     def _prompt(self, prompt: int, logprobs: pb.PromptLogprobs) -> list[dict[str, Any]]:
         """Each of the prompt's completions begins with the echoed prompt (its logprobs too)."""
@@ -345,6 +356,7 @@ class CompletionStream(_Stream):
         chunks = []
         for index in range(prompt * self.n, (prompt + 1) * self.n):
             self.offsets[index] = echoed.offset
+            self.echoed.add(index)
             chunks.append(self.chunk([{"index": index, "text": echoed.text, "finish_reason": None,
                                        "logprobs": echoed.logprobs if self.want_logprobs else None}]))
         return chunks
@@ -359,5 +371,7 @@ class CompletionStream(_Stream):
         return {"index": index, "text": chunk.text, "logprobs": logprobs, "finish_reason": None}
 
     def _final(self, index: int, final: pb.StreamFinal) -> dict[str, Any]:
+        if self.echo and index not in self.echoed:
+            raise _no_prompt_logprobs()
         return {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason(final),
                 "stop_reason": _stop_reason(final)}

@@ -93,8 +93,8 @@ class ForgeServicer(pb_grpc.ForgeServicer):
             async with self._rpc(context) as model:
                 prepared = await self._service.prepare(request, model)
                 rpc.prepared(model.name, prepared.prompt, prepared.params)
-                result = convert.GenerateAccumulator(prepared.request_id, model.name, len(prepared.prompt), prepared.output,
-                                                     prepared.first_prompt_token)
+                result = convert.GenerateAccumulator(prepared.request_id, model.name, len(prepared.prompt),
+                                                     prepared.output, prepared.first_prompt_token)
                 async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
                     async for output in outputs:
                         result.add(output)

@@ -19,7 +19,7 @@ import uvicorn
 from forge_gateway import convert
 from forge_gateway.app import create_app
 from forge_gateway.config import GatewayConfig
-from forge_gateway.errors import openai_param
+from forge_gateway.errors import GatewayError, openai_param
 from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
 
@@ -580,3 +580,13 @@ def test_echo_decodes_a_token_prompt_whole_and_counts_offsets_on_into_the_comple
     assert [(e["choices"][0]["index"], e["choices"][0]["text"]) for e in events] == [(0, "a\u00e9"), (1, "a\u00e9")]
     assert convert.ChatStream("id", 0, "m", 1, False, False).on_message(
         0, pb.StreamResponse(prompt_logprobs=prompt)) == []  # asked for by completions' echo alone
+
+
+def test_echo_without_the_prompt_s_logprobs_is_a_server_error_not_a_completion_missing_its_prompt() -> None:
+    answer = pb.GenerateResponse(choices=[pb.Choice(text="!", finish_reason=pb.FINISH_REASON_LENGTH)])
+    with pytest.raises(GatewayError) as whole:  # a service older than echo leaves them out
+        convert.text_completion([answer], "id", 0, "m", 1, False, ["a"])
+    stream = convert.CompletionStream("id", 0, "m", 1, False, False, echo=["a"])
+    with pytest.raises(GatewayError) as streamed:
+        stream.on_message(0, pb.StreamResponse(final=pb.StreamFinal(finish_reason=pb.FINISH_REASON_LENGTH)))
+    assert whole.value.status == streamed.value.status == 500
