@@ -238,12 +238,12 @@ async def _completions(request: Request, body: CompletionRequest, config: Gatewa
     echo = body.prompts() if body.echo else None
     if body.stream:
         formatter = convert.CompletionStream(response_id, created, body.model, body.n, want_logprobs,
-                                             body.include_usage, echo=echo)
+                                             body.include_usage, echo=echo, prompt_only=body.prompt_only)
         return await _stream(request, messages, formatter, timeout)
     calls = [_replicas(request).generate(m, timeout) for m in messages]
     responses = await _unless_disconnected(request, asyncio.gather(*(_answer(request, c) for c in calls)), _canceller(calls))
     return JSONResponse(convert.text_completion(responses, response_id, created, body.model, body.n, want_logprobs,
-                                                echo))
+                                                echo, body.prompt_only))
 
 
 async def _tokenize(request: Request, body: tokens.TokenizeRequest) -> Response:

@@ -82,12 +82,14 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> pb.GenerateRequ
 
 def completion_requests(req: CompletionRequest, request_id: str) -> list[pb.GenerateRequest]:
     """One GenerateRequest per prompt (OpenAI accepts a batch of prompts)."""
+    if req.max_tokens == 0 and not req.echo:
+        raise GatewayError(400, "max_tokens 0 needs echo: it returns the prompt alone", param="max_tokens")
     prompts = req.prompts()
     out = []
     for i, prompt in enumerate(prompts):
-        message = pb.GenerateRequest(
+        message = pb.GenerateRequest(  # a prompt alone still takes one token: the engine's least
             model=req.model, request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}", n=req.n,
-            sampling=_sampling(req), stopping=_stopping(req, req.max_tokens),
+            sampling=_sampling(req), stopping=_stopping(req, 1 if req.prompt_only else req.max_tokens),
             logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, **constraint(req),
             **_speculative(req))
         if req.echo:  # the prompt's logprobs come back with its tokens' text, which echo shows
@@ -122,9 +124,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, draft_
                                           "rejected_prediction_tokens": draft_tokens - accepted_draft_tokens}}
 
 
-def _usage_of(messages: list[Any]) -> dict[str, Any]:
-    """usage() summed over the `usage` of several responses or stream finals."""
-    return usage(*(sum(getattr(m.usage, f) for m in messages) for f in _USAGE_FIELDS))
+def _usage_of(messages: list[Any], fields: tuple[str, ...] = _USAGE_FIELDS) -> dict[str, Any]:
+    """usage() summed over the `usage` of several responses or stream finals (`fields` alone)."""
+    return usage(*(sum(getattr(m.usage, f) for m in messages) if f in fields else 0 for f in _USAGE_FIELDS))
+
+
+# A prompt alone (echo, max_tokens 0) bills its prompt: the token the engine took is not returned.
+_PROMPT_USAGE = ("prompt_tokens", "cached_tokens")
 
 
 def finish_reason(message: Any) -> str:
@@ -222,23 +228,36 @@ def _message(choice: pb.Choice) -> dict[str, Any]:
 
 
 def text_completion(resps: list[pb.GenerateResponse], response_id: str, created: int, model: str,
-                    n: int, want_logprobs: bool, echo: list[str | list[int]] | None = None) -> dict[str, Any]:
-    """`echo`: the prompts, when each completion starts with its own."""
+                    n: int, want_logprobs: bool, echo: list[str | list[int]] | None = None,
+                    prompt_only: bool = False) -> dict[str, Any]:
+    """`echo`: the prompts, when each completion starts with its own; `prompt_only`: and is
+    nothing else (echo with max_tokens 0)."""
     choices = []
     for p, resp in enumerate(resps):
         if echo and not resp.HasField("prompt_logprobs"):
             raise _no_prompt_logprobs()
         echoed = Echo.of(echo[p], resp.prompt_logprobs) if echo else None
         for c in resp.choices:
-            logprobs = None
-            if want_logprobs:
-                logprobs = completion_logprobs(c.logprobs, echoed.offset if echoed else 0)
-                logprobs = echoed.joined(logprobs) if echoed else logprobs
-            choices.append({"index": p * n + c.index, "text": (echoed.text if echoed else "") + c.text,
-                            "logprobs": logprobs, "finish_reason": finish_reason(c), "stop_reason": _stop_reason(c)})
+            choices.append(_prompt_choice(p * n + c.index, echoed, want_logprobs) if prompt_only else
+                           _text_choice(p * n + c.index, c, echoed, want_logprobs))
     return {"id": response_id, "object": "text_completion", "created": created,
             "model": (resps[0].model if resps else "") or model, "choices": choices,
-            "system_fingerprint": None, "usage": _usage_of(resps)}
+            "system_fingerprint": None, "usage": _usage_of(resps, _PROMPT_USAGE if prompt_only else _USAGE_FIELDS)}
+
+
+def _text_choice(index: int, c: pb.Choice, echoed: Echo | None, want_logprobs: bool) -> dict[str, Any]:
+    logprobs = None
+    if want_logprobs:
+        logprobs = completion_logprobs(c.logprobs, echoed.offset if echoed else 0)
+        logprobs = echoed.joined(logprobs) if echoed else logprobs
+    return {"index": index, "text": (echoed.text if echoed else "") + c.text, "logprobs": logprobs,
+            "finish_reason": finish_reason(c), "stop_reason": _stop_reason(c)}
+
+
+def _prompt_choice(index: int, echoed: Echo, want_logprobs: bool) -> dict[str, Any]:
+    """A choice that is its prompt alone: it ended at its length, 0 tokens."""
+    return {"index": index, "text": echoed.text, "logprobs": echoed.logprobs if want_logprobs else None,
+            "finish_reason": "length", "stop_reason": None}
 
 
 # ---- streams -------------------------------------------------------------------------
@@ -341,12 +360,19 @@ class ChatStream(_Stream):
 class CompletionStream(_Stream):
     object_name = "text_completion"
 
-    def __init__(self, *args: Any, echo: list[str | list[int]] | None = None, **kwargs: Any) -> None:
-        """`echo`: the prompts, when each completion starts with its own."""
+    def __init__(self, *args: Any, echo: list[str | list[int]] | None = None, prompt_only: bool = False,
+                 **kwargs: Any) -> None:
+        """`echo`: the prompts, when each completion starts with its own; `prompt_only`: and is
+        nothing else (echo with max_tokens 0)."""
         super().__init__(*args, **kwargs)
         self.offsets: dict[int, int] = {}
-        self.echo = echo
+        self.echo, self.prompt_only = echo, prompt_only
         self.echoed: set[int] = set()  # the choices that began with their prompt
+
+    def end(self) -> list[dict[str, Any]]:
+        if self.prompt_only:  # the token each prompt took is not returned, so not billed
+            self.completion_tokens = self.draft_tokens = self.accepted_draft_tokens = 0
+        return super().end()
 
     def _prompt(self, prompt: int, logprobs: pb.PromptLogprobs) -> list[dict[str, Any]]:
         """Each of the prompt's completions begins with the echoed prompt (its logprobs too)."""
@@ -362,7 +388,7 @@ class CompletionStream(_Stream):
         return chunks
 
     def _delta(self, index: int, chunk: pb.StreamChunk) -> dict[str, Any] | None:
-        if not chunk.text and not (self.want_logprobs and chunk.logprobs):
+        if self.prompt_only or (not chunk.text and not (self.want_logprobs and chunk.logprobs)):
             return None
         logprobs = None
         if self.want_logprobs:
@@ -373,5 +399,7 @@ class CompletionStream(_Stream):
     def _final(self, index: int, final: pb.StreamFinal) -> dict[str, Any]:
         if self.echo and index not in self.echoed:
             raise _no_prompt_logprobs()
+        if self.prompt_only:
+            return {"index": index, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None}
         return {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason(final),
                 "stop_reason": _stop_reason(final)}

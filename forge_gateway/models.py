@@ -206,7 +206,8 @@ Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 class CompletionRequest(_Common):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1, le=_INT32)
+    # 0 with echo: the prompt alone comes back (scored, with logprobs), as OpenAI's legacy API allows.
+    max_tokens: int | None = Field(16, ge=0, le=_INT32)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # The prompt begins each completion's text (and its logprobs, with logprobs: the first token's
     # is null); the prompt's logprobs are computed for it, a prompt's way to be scored.
@@ -223,6 +224,11 @@ class CompletionRequest(_Common):
         if not self.prompts():
             raise ValueError("prompt is empty")
         return self
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: each choice is its prompt alone."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt: a string or a list of token ids."""

@@ -590,3 +590,30 @@ def test_echo_without_the_prompt_s_logprobs_is_a_server_error_not_a_completion_m
     with pytest.raises(GatewayError) as streamed:
         stream.on_message(0, pb.StreamResponse(final=pb.StreamFinal(finish_reason=pb.FINISH_REASON_LENGTH)))
     assert whole.value.status == streamed.value.status == 500
+
+
+def test_max_tokens_0_needs_echo(http: httpx.Client, fake: FakeForge) -> None:
+    response = http.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 0})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+    assert not fake.requests
+
+
+def test_a_prompt_alone_is_its_echo_with_no_completion_tokens_billed() -> None:
+    prompt = pb.PromptLogprobs(first=pb.TokenLogprob(token="a", bytes=b"a"), positions=[_scored("b", b"b", -1.0)])
+    answer = pb.GenerateResponse(prompt_logprobs=prompt, usage=pb.Usage(prompt_tokens=2, completion_tokens=1),
+                                 choices=[pb.Choice(text="!", finish_reason=pb.FINISH_REASON_STOP,
+                                                    logprobs=[_scored("!", b"!", -2.0)])])
+    body = convert.text_completion([answer], "id", 0, "m", 1, True, ["ab"], prompt_only=True)
+    [choice] = body["choices"]
+    assert (choice["text"], choice["finish_reason"]) == ("ab", "length")
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.0]
+    assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (2, 0)
+    stream = convert.CompletionStream("id", 0, "m", 1, False, True, echo=["ab"], prompt_only=True)
+    events = stream.on_message(0, pb.StreamResponse(prompt_logprobs=prompt))
+    events += stream.on_message(0, pb.StreamResponse(chunk=pb.StreamChunk(text="!", token_ids=[5])))
+    events += stream.on_message(0, pb.StreamResponse(final=pb.StreamFinal(
+        finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage(prompt_tokens=2, completion_tokens=1))))
+    events += stream.end()
+    assert [e["choices"][0]["text"] for e in events if e["choices"]] == ["ab", ""]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert (events[-1]["usage"]["prompt_tokens"], events[-1]["usage"]["completion_tokens"]) == (2, 0)

@@ -363,6 +363,13 @@ def test_echo_scores_a_continuation_as_an_evaluation_harness_reads_it(idle_serve
     _, other, other_greedy = score(TEXT + " to eat a banana")
     assert not other_greedy and other < total
 
+    # Legacy scoring, max_tokens 0: the prompt alone, with the same logprobs, and no completion billed.
+    alone = openai_client.completions.create(model=model_name, prompt=TEXT + continuation.text, max_tokens=0,
+                                             temperature=0, logprobs=1, echo=True)
+    [choice] = alone.choices
+    assert choice.text == TEXT + continuation.text and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs == lp.token_logprobs[:-1] and alone.usage.completion_tokens == 0
+
 
 def test_echo_streams_each_prompt_first_and_decodes_token_prompts(idle_server, openai_client, model_name,
                                                                    llm_fp32) -> None:
