@@ -205,7 +205,8 @@ async def _chat(request: Request, body: ChatCompletionRequest, config: GatewayCo
         return await _stream(request, [message], formatter, timeout)
     call = _replicas(request).generate(message, timeout)
     response = await _unless_disconnected(request, _answer(request, call), _canceller([call]))
-    return JSONResponse(convert.chat_completion(response, response_id, created, body.model, body.logprobs))
+    return JSONResponse(convert.chat_completion(response, response_id, created, body.model, body.logprobs,
+                                                body.prompt_logprobs))
 
 
 async def _responses(request: Request, body: responses.ResponsesRequest, config: GatewayConfig) -> Response:
@@ -234,16 +235,14 @@ async def _completions(request: Request, body: CompletionRequest, config: Gatewa
     request_id, response_id = _ids(request, "cmpl")
     messages = convert.completion_requests(body, request_id)
     created, timeout = int(time.time()), _timeout(request, config)
-    want_logprobs = body.logprobs is not None
-    echo = body.prompts() if body.echo else None
     if body.stream:
-        formatter = convert.CompletionStream(response_id, created, body.model, body.n, want_logprobs,
-                                             body.include_usage, echo=echo, prompt_only=body.prompt_only)
+        formatter = convert.CompletionStream(response_id, created, body.model, body.n, body.logprobs is not None,
+                                             body.include_usage, echo=body.prompts() if body.echo else None,
+                                             prompt_only=body.prompt_only, top_k=body.logprobs or 0)
         return await _stream(request, messages, formatter, timeout)
     calls = [_replicas(request).generate(m, timeout) for m in messages]
     responses = await _unless_disconnected(request, asyncio.gather(*(_answer(request, c) for c in calls)), _canceller(calls))
-    return JSONResponse(convert.text_completion(responses, response_id, created, body.model, body.n, want_logprobs,
-                                                echo, body.prompt_only))
+    return JSONResponse(convert.text_completion(responses, response_id, created, body))
 
 
 async def _tokenize(request: Request, body: tokens.TokenizeRequest) -> Response:

@@ -70,6 +70,15 @@ def constraint(req: _Common) -> dict[str, Any]:
     return {}
 
 
+def _prompt_logprobs(req: _Common, echo: int | None = None) -> dict[str, Any]:
+    """How many alternatives the service returns per prompt token, if any: vLLM's prompt_logprobs
+    (whole responses only, as vLLM has them), or what `echo` shows (its logprobs), the larger."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise GatewayError(400, "prompt_logprobs cannot be streamed", param="prompt_logprobs")
+    wanted = [k for k in (req.prompt_logprobs, echo) if k is not None]
+    return {"prompt_logprobs": max(wanted)} if wanted else {}
+
+
 def chat_request(req: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
     messages = [pb.ChatMessage(role=_ROLES.get(m.role, m.role), content=m.text(), name=m.name or "",
                                **tools.message_fields(m.tool_calls, m.tool_call_id)) for m in req.messages]
@@ -77,7 +86,8 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> pb.GenerateRequ
         model=req.model, request_id=request_id, chat=pb.ChatInput(messages=messages), n=req.n,
         sampling=_sampling(req), stopping=_stopping(req, req.output_limit),
         logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, **constraint(req),
-        **tools.request_fields(req.tools, req.tool_choice, req.parallel_tool_calls), **_speculative(req))
+        **tools.request_fields(req.tools, req.tool_choice, req.parallel_tool_calls), **_speculative(req),
+        **_prompt_logprobs(req))
 
 
 def completion_requests(req: CompletionRequest, request_id: str) -> list[pb.GenerateRequest]:
@@ -91,9 +101,8 @@ def completion_requests(req: CompletionRequest, request_id: str) -> list[pb.Gene
             model=req.model, request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}", n=req.n,
             sampling=_sampling(req), stopping=_stopping(req, 1 if req.prompt_only else req.max_tokens),
             logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, **constraint(req),
-            **_speculative(req))
-        if req.echo:  # the prompt's logprobs come back with its tokens' text, which echo shows
-            message.prompt_logprobs = req.logprobs or 0
+            **_speculative(req),  # echo shows the prompt's logprobs, which carry its tokens' text
+            **_prompt_logprobs(req, (req.logprobs or 0) if req.echo else None))
         if isinstance(prompt, str):
             message.text = prompt
         else:
@@ -158,13 +167,14 @@ def chat_logprobs(positions: Any) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(positions: Any, offset: int) -> dict[str, Any]:
-    """OpenAI's legacy logprobs; text_offset counts characters from `offset`."""
+def completion_logprobs(positions: Any, offset: int, top_k: int | None = None) -> dict[str, Any]:
+    """OpenAI's legacy logprobs; text_offset counts characters from `offset`; `top_k`: at most
+    that many alternatives per position."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for p in positions:
         tokens.append(p.chosen.token)
         token_logprobs.append(_finite(p.chosen.logprob))
-        alternatives = {t.token: _finite(t.logprob) for t in p.top}
+        alternatives = {t.token: _finite(t.logprob) for t in p.top[:top_k]}
         alternatives.setdefault(p.chosen.token, _finite(p.chosen.logprob))
         top.append(alternatives)
         offsets.append(offset)
@@ -182,9 +192,10 @@ class Echo:
     offset: int
 
     @classmethod
-    def of(cls, prompt: str | list[int], lp: pb.PromptLogprobs) -> Echo:
-        """The prompt as sent when it was text; the text of its tokens when it was token ids."""
-        rest = completion_logprobs(lp.positions, len(lp.first.token))
+    def of(cls, prompt: str | list[int], lp: pb.PromptLogprobs, top_k: int) -> Echo:
+        """The prompt as sent when it was text; the text of its tokens when it was token ids.
+        `top_k`: the request's logprobs (prompt_logprobs may have asked the service for more)."""
+        rest = completion_logprobs(lp.positions, len(lp.first.token), top_k)
         logprobs = {"tokens": [lp.first.token, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
                     "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
         offset = len(lp.first.token) + sum(len(p.chosen.token) for p in lp.positions)
@@ -198,16 +209,32 @@ class Echo:
         return {key: self.logprobs[key] + completion[key] for key in self.logprobs}
 
 
+def vllm_prompt_logprobs(lp: pb.PromptLogprobs, top_k: int) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: None for the first token, then per token {token id: {logprob, rank,
+    decoded_token}} for it and its `top_k` most likely alternatives."""
+    def entry(t: pb.TokenLogprob, rank: int) -> dict[str, Any]:
+        return {"logprob": _finite(t.logprob), "rank": rank, "decoded_token": t.token}
+    return [None, *({str(p.chosen.token_id): entry(p.chosen, p.chosen.rank),
+                     **{str(t.token_id): entry(t, i + 1) for i, t in enumerate(p.top[:top_k])}}
+                    for p in lp.positions)]
+
+
 def _no_prompt_logprobs() -> GatewayError:
-    """Echo without the prompt's logprobs, which only a service that predates them leaves out."""
-    return GatewayError(500, "the service sent no prompt logprobs to echo (is it older than the gateway?)",
-                        "server_error")
+    """The prompt's logprobs missing, which only a service that predates them leaves out."""
+    return GatewayError(500, "the service sent no prompt logprobs (is it older than the gateway?)", "server_error")
+
+
+def _prompt_logprobs_of(resp: pb.GenerateResponse) -> pb.PromptLogprobs:
+    if not resp.HasField("prompt_logprobs"):
+        raise _no_prompt_logprobs()
+    return resp.prompt_logprobs
 
 
 # ---- whole (non-streaming) responses -------------------------------------------------
 
 def chat_completion(resp: pb.GenerateResponse, response_id: str, created: int, model: str,
-                    want_logprobs: bool) -> dict[str, Any]:
+                    want_logprobs: bool, prompt_logprobs: int | None = None) -> dict[str, Any]:
+    """`prompt_logprobs`: vLLM's, once for the response (the prompt is the same for each choice)."""
     choices = [{
         "index": c.index,
         "message": _message(c),
@@ -215,9 +242,11 @@ def chat_completion(resp: pb.GenerateResponse, response_id: str, created: int, m
         "finish_reason": finish_reason(c),
         "stop_reason": _stop_reason(c),
     } for c in resp.choices]
-    return {"id": response_id, "object": "chat.completion", "created": created, "model": resp.model or model,
-            "choices": choices, "system_fingerprint": None,
-            "usage": _usage_of([resp])}
+    out = {"id": response_id, "object": "chat.completion", "created": created, "model": resp.model or model,
+           "choices": choices, "system_fingerprint": None, "usage": _usage_of([resp])}
+    if prompt_logprobs is not None:
+        out["prompt_logprobs"] = vllm_prompt_logprobs(_prompt_logprobs_of(resp), prompt_logprobs)
+    return out
 
 
 def _message(choice: pb.Choice) -> dict[str, Any]:
@@ -227,28 +256,31 @@ def _message(choice: pb.Choice) -> dict[str, Any]:
             "tool_calls": tools.message_tool_calls(choice.tool_calls)}
 
 
-def text_completion(resps: list[pb.GenerateResponse], response_id: str, created: int, model: str,
-                    n: int, want_logprobs: bool, echo: list[str | list[int]] | None = None,
-                    prompt_only: bool = False) -> dict[str, Any]:
-    """`echo`: the prompts, when each completion starts with its own; `prompt_only`: and is
-    nothing else (echo with max_tokens 0)."""
+def text_completion(resps: list[pb.GenerateResponse], response_id: str, created: int,
+                    req: CompletionRequest) -> dict[str, Any]:
+    """One choice per prompt and n, ordered so. With echo each begins with its prompt (and is
+    nothing else with max_tokens 0); with prompt_logprobs each carries vLLM's list of them."""
+    want_logprobs, top_k, echo = req.logprobs is not None, req.logprobs or 0, req.prompts() if req.echo else None
     choices = []
     for p, resp in enumerate(resps):
-        if echo and not resp.HasField("prompt_logprobs"):
-            raise _no_prompt_logprobs()
-        echoed = Echo.of(echo[p], resp.prompt_logprobs) if echo else None
+        echoed = Echo.of(echo[p], _prompt_logprobs_of(resp), top_k) if echo else None
+        scored = None if req.prompt_logprobs is None else \
+            vllm_prompt_logprobs(_prompt_logprobs_of(resp), req.prompt_logprobs)
         for c in resp.choices:
-            choices.append(_prompt_choice(p * n + c.index, echoed, want_logprobs) if prompt_only else
-                           _text_choice(p * n + c.index, c, echoed, want_logprobs))
+            choice = (_prompt_choice(p * req.n + c.index, echoed, want_logprobs) if req.prompt_only else
+                      _text_choice(p * req.n + c.index, c, echoed, want_logprobs, top_k))
+            choices.append(choice if scored is None else {**choice, "prompt_logprobs": scored})
     return {"id": response_id, "object": "text_completion", "created": created,
-            "model": (resps[0].model if resps else "") or model, "choices": choices,
-            "system_fingerprint": None, "usage": _usage_of(resps, _PROMPT_USAGE if prompt_only else _USAGE_FIELDS)}
+            "model": (resps[0].model if resps else "") or req.model, "choices": choices,
+            "system_fingerprint": None,
+            "usage": _usage_of(resps, _PROMPT_USAGE if req.prompt_only else _USAGE_FIELDS)}
 
 
-def _text_choice(index: int, c: pb.Choice, echoed: Echo | None, want_logprobs: bool) -> dict[str, Any]:
+def _text_choice(index: int, c: pb.Choice, echoed: Echo | None, want_logprobs: bool, top_k: int
+                 ) -> dict[str, Any]:
     logprobs = None
     if want_logprobs:
-        logprobs = completion_logprobs(c.logprobs, echoed.offset if echoed else 0)
+        logprobs = completion_logprobs(c.logprobs, echoed.offset if echoed else 0, top_k)
         logprobs = echoed.joined(logprobs) if echoed else logprobs
     return {"index": index, "text": (echoed.text if echoed else "") + c.text, "logprobs": logprobs,
             "finish_reason": finish_reason(c), "stop_reason": _stop_reason(c)}
@@ -361,12 +393,12 @@ class CompletionStream(_Stream):
     object_name = "text_completion"
 
     def __init__(self, *args: Any, echo: list[str | list[int]] | None = None, prompt_only: bool = False,
-                 **kwargs: Any) -> None:
+                 top_k: int = 0, **kwargs: Any) -> None:
         """`echo`: the prompts, when each completion starts with its own; `prompt_only`: and is
-        nothing else (echo with max_tokens 0)."""
+        nothing else (echo with max_tokens 0); `top_k`: the request's logprobs."""
         super().__init__(*args, **kwargs)
         self.offsets: dict[int, int] = {}
-        self.echo, self.prompt_only = echo, prompt_only
+        self.echo, self.prompt_only, self.top_k = echo, prompt_only, top_k
         self.echoed: set[int] = set()  # the choices that began with their prompt
 
     def end(self) -> list[dict[str, Any]]:
@@ -378,7 +410,7 @@ class CompletionStream(_Stream):
         """Each of the prompt's completions begins with the echoed prompt (its logprobs too)."""
         if not self.echo:
             return []
-        echoed = Echo.of(self.echo[prompt], logprobs)
+        echoed = Echo.of(self.echo[prompt], logprobs, self.top_k)
         chunks = []
         for index in range(prompt * self.n, (prompt + 1) * self.n):
             self.offsets[index] = echoed.offset

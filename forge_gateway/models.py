@@ -136,6 +136,9 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Each prompt token's logprob given those before it, with this many alternatives (whole
+    # responses only): completions return them per choice, chat once per response.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Speculative decoding where the server runs it: the most tokens drafted per step; 0 opts out.
     num_speculative_tokens: int | None = Field(None, ge=0, le=64)
     prediction: Prediction | None = None

@@ -20,6 +20,7 @@ from forge_gateway import convert
 from forge_gateway.app import create_app
 from forge_gateway.config import GatewayConfig
 from forge_gateway.errors import GatewayError, openai_param
+from forge_gateway.models import CompletionRequest
 from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
 
@@ -555,6 +556,10 @@ def test_tokenize_and_detokenize(http: httpx.Client, fake: FakeForge) -> None:
         assert http.post("/tokenize", json=body).status_code == 400, body
 
 
+def _completion(**fields: Any) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "m", **fields})
+
+
 def _scored(token: str, raw: bytes, logprob: float) -> pb.PositionLogprobs:
     return pb.PositionLogprobs(chosen=pb.TokenLogprob(token=token, bytes=raw, logprob=logprob),
                                top=[pb.TokenLogprob(token="x", logprob=-0.1)])
@@ -567,7 +572,7 @@ def test_echo_decodes_a_token_prompt_whole_and_counts_offsets_on_into_the_comple
     answer = pb.GenerateResponse(prompt_logprobs=prompt, choices=[pb.Choice(
         text="!", logprobs=[_scored("!", b"!", -2.0)], finish_reason=pb.FINISH_REASON_LENGTH)])
     for echo in ([97, 195, 169], "a\u00e9"):
-        body = convert.text_completion([answer], "id", 0, "m", 1, True, [echo])
+        body = convert.text_completion([answer], "id", 0, _completion(prompt=echo, echo=True, logprobs=1))
         [choice] = body["choices"]
         assert choice["text"] == "a\u00e9!"
         lp = choice["logprobs"]
@@ -585,7 +590,7 @@ def test_echo_decodes_a_token_prompt_whole_and_counts_offsets_on_into_the_comple
 def test_echo_without_the_prompt_s_logprobs_is_a_server_error_not_a_completion_missing_its_prompt() -> None:
     answer = pb.GenerateResponse(choices=[pb.Choice(text="!", finish_reason=pb.FINISH_REASON_LENGTH)])
     with pytest.raises(GatewayError) as whole:  # a service older than echo leaves them out
-        convert.text_completion([answer], "id", 0, "m", 1, False, ["a"])
+        convert.text_completion([answer], "id", 0, _completion(prompt="a", echo=True))
     stream = convert.CompletionStream("id", 0, "m", 1, False, False, echo=["a"])
     with pytest.raises(GatewayError) as streamed:
         stream.on_message(0, pb.StreamResponse(final=pb.StreamFinal(finish_reason=pb.FINISH_REASON_LENGTH)))
@@ -603,7 +608,7 @@ def test_a_prompt_alone_is_its_echo_with_no_completion_tokens_billed() -> None:
     answer = pb.GenerateResponse(prompt_logprobs=prompt, usage=pb.Usage(prompt_tokens=2, completion_tokens=1),
                                  choices=[pb.Choice(text="!", finish_reason=pb.FINISH_REASON_STOP,
                                                     logprobs=[_scored("!", b"!", -2.0)])])
-    body = convert.text_completion([answer], "id", 0, "m", 1, True, ["ab"], prompt_only=True)
+    body = convert.text_completion([answer], "id", 0, _completion(prompt="ab", echo=True, logprobs=0, max_tokens=0))
     [choice] = body["choices"]
     assert (choice["text"], choice["finish_reason"]) == ("ab", "length")
     assert choice["logprobs"]["token_logprobs"] == [None, -1.0]
@@ -617,3 +622,29 @@ def test_a_prompt_alone_is_its_echo_with_no_completion_tokens_billed() -> None:
     assert [e["choices"][0]["text"] for e in events if e["choices"]] == ["ab", ""]
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert (events[-1]["usage"]["prompt_tokens"], events[-1]["usage"]["completion_tokens"]) == (2, 0)
+
+
+def test_vllm_prompt_logprobs_come_per_choice_or_once_for_chat_and_are_not_streamed(
+        http: httpx.Client, fake: FakeForge) -> None:
+    prompt = pb.PromptLogprobs(first=pb.TokenLogprob(token_id=7, token="a"), positions=[pb.PositionLogprobs(
+        chosen=pb.TokenLogprob(token_id=8, token="b", logprob=-1.0, rank=3),
+        top=[pb.TokenLogprob(token_id=9, token="c", logprob=-0.2), pb.TokenLogprob(token_id=10, token="d", logprob=-0.9)])])
+    answer = pb.GenerateResponse(prompt_logprobs=prompt, choices=[pb.Choice(
+        index=i, text="!", finish_reason=pb.FINISH_REASON_LENGTH, logprobs=[_scored("!", b"!", -2.0)]) for i in range(2)])
+    expected = [None, {"8": {"logprob": -1.0, "rank": 3, "decoded_token": "b"},
+                       "9": {"logprob": pytest.approx(-0.2), "rank": 1, "decoded_token": "c"}}]
+    body = convert.text_completion([answer], "id", 0, _completion(prompt="ab", n=2, prompt_logprobs=1, echo=True,
+                                                                   logprobs=0))
+    assert [c["prompt_logprobs"] for c in body["choices"]] == [expected, expected]
+    assert body["choices"][0]["logprobs"]["top_logprobs"][1] == {"b": -1.0}  # echo keeps to logprobs=0
+    chat = convert.chat_completion(answer, "id", 0, "m", False, prompt_logprobs=1)
+    assert chat["prompt_logprobs"] == expected and "prompt_logprobs" not in chat["choices"][0]
+    assert "prompt_logprobs" not in convert.chat_completion(answer, "id", 0, "m", False)
+
+    request = convert.completion_requests(_completion(prompt="ab", prompt_logprobs=2, echo=True, logprobs=5), "r")[0]
+    assert request.prompt_logprobs == 5  # the larger of the two asks
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
+                                                                {"messages": [{"role": "user", "content": "x"}]})):
+        response = http.post(path, json={"model": "m", **body, "prompt_logprobs": 1, "stream": True})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt_logprobs"
+    assert not fake.requests

@@ -387,3 +387,26 @@ def test_echo_streams_each_prompt_first_and_decodes_token_prompts(idle_server, o
         prompt = [TEXT, "Hello, world"][choice.index // 2]
         assert firsts[choice.index] == prompt  # the echo comes first, whole
         assert texts[choice.index] == choice.text and choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+
+
+def test_vllm_prompt_logprobs_on_completions_and_chat(idle_server, openai_client, model_name) -> None:
+    echoed = openai_client.completions.create(model=model_name, prompt=TEXT, max_tokens=1, temperature=0,
+                                              logprobs=0, echo=True)
+    scored = openai_client.completions.create(model=model_name, prompt=TEXT, max_tokens=1, temperature=0,
+                                              extra_body={"prompt_logprobs": 2})
+    [choice] = scored.choices
+    assert choice.text == echoed.choices[0].text[len(TEXT):]  # no echo: the completion alone
+    entries = choice.model_extra["prompt_logprobs"]
+    prompt_tokens = scored.usage.prompt_tokens
+    assert entries[0] is None and len(entries) == prompt_tokens
+    for entry, token, value in zip(entries[1:], echoed.choices[0].logprobs.tokens[1:prompt_tokens],
+                                   echoed.choices[0].logprobs.token_logprobs[1:prompt_tokens], strict=True):
+        # the prompt's token (with its rank) and the two most likely: 2 entries when it is one of them
+        assert 2 <= len(entry) <= 3 and {1, 2} <= {v["rank"] for v in entry.values()}
+        assert any(v["decoded_token"] == token and v["logprob"] == pytest.approx(value, abs=1e-4)
+                   for v in entry.values())
+    chat = openai_client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=1, temperature=0,
+                                                 extra_body={"prompt_logprobs": 0})
+    chat_entries = chat.model_extra["prompt_logprobs"]
+    assert chat_entries[0] is None and len(chat_entries) == chat.usage.prompt_tokens
+    assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in chat_entries[1:])
