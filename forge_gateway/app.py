@@ -26,7 +26,7 @@ from forge_gateway import balancer, convert, responses, tokens
 from forge_gateway.config import GatewayConfig
 from forge_gateway.errors import GatewayError, from_grpc, internal_error, validation_error
 from forge_gateway.metrics import GatewayMetrics, ObservabilityMiddleware, client_interceptors
-from forge_gateway.models import ChatCompletionRequest, CompletionRequest
+from forge_gateway.models import ChatCompletionRequest, CompletionRequest, _Common
 from forge_gateway.limits import RequestGuard, check_request, check_unknown_fields
 from forge_service.errors import StartupError
 from forge_service.pb import forge_pb2 as pb
@@ -109,12 +109,12 @@ def _add_routes(app: FastAPI, config: GatewayConfig) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_request(body, config)
-        return await _guard(_chat(request, body, config))
+        return await _guard(_chat(request, body, config), body)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_request(body, config)
-        return await _guard(_completions(request, body, config))
+        return await _guard(_completions(request, body, config), body)
 
     @app.post("/v1/responses")
     async def create_response(body: responses.ResponsesRequest, request: Request) -> Response:
@@ -146,8 +146,9 @@ def _add_routes(app: FastAPI, config: GatewayConfig) -> None:
         return JSONResponse({"status": "alive"})
 
 
-async def _guard(work: Awaitable[Response]) -> Response:
-    """Every route's one error funnel: typed errors pass, gRPC errors map, bugs get an id."""
+async def _guard(work: Awaitable[Response], body: _Common | None = None) -> Response:
+    """Every route's one error funnel: typed errors pass, gRPC errors map (their param as `body`
+    spelt it), bugs get an id."""
     try:
         return await work
     except GatewayError:
@@ -155,7 +156,10 @@ async def _guard(work: Awaitable[Response]) -> Response:
     except ClientDisconnected:
         return Response(status_code=_CLOSED_BY_CLIENT)
     except grpc.aio.AioRpcError as error:
-        raise from_grpc(error) from None
+        mapped = from_grpc(error)
+        if body is not None:
+            mapped.param = body.constraint_param(mapped.param)
+        raise mapped from None
     except Exception as error:
         raise internal_error(error) from None
 

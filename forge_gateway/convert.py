@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from forge_gateway import tools
 from forge_gateway.errors import GatewayError
-from forge_gateway.models import ChatCompletionRequest, CompletionRequest, _Common
+from forge_gateway.models import ChatCompletionRequest, CompletionRequest, StructuredOutputs, _Common
 from forge_service.pb import forge_pb2 as pb
 
 # Every finish reason a client may see, as OpenAI spells it. Any other (the server aborted the
@@ -58,9 +58,10 @@ def constraint(req: _Common) -> dict[str, Any]:
         return {"json_object": True}
     if fmt is not None and fmt.type == "json_schema":
         return {"json_schema": json.dumps(fmt.json_schema.schema_), "json_schema_strict": bool(fmt.json_schema.strict)}
+    if req.structured_outputs is not None:
+        return _structured_outputs(req.structured_outputs)
     if req.guided_json is not None:
-        schema = req.guided_json
-        return {"json_schema": schema if isinstance(schema, str) else json.dumps(schema)}
+        return _schema_fields(req.guided_json)
     if req.guided_regex is not None:
         return {"regex": req.guided_regex}
     if req.guided_choice is not None:
@@ -68,6 +69,22 @@ def constraint(req: _Common) -> dict[str, Any]:
     if req.guided_grammar is not None:
         return {"grammar": req.guided_grammar}
     return {}
+
+
+def _schema_fields(schema: dict[str, Any] | bool | str, strict: bool = False) -> dict[str, Any]:
+    """A JSON Schema given as an object or as JSON text."""
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    return {"json_schema": text, "json_schema_strict": strict} if strict else {"json_schema": text}
+
+
+def _structured_outputs(so: StructuredOutputs) -> dict[str, Any]:
+    if so.json_ is not None:
+        return _schema_fields(so.json_, strict=so.disable_additional_properties)
+    if so.json_object:
+        return {"json_object": True}
+    if so.choice is not None:
+        return {"choice": pb.ChoiceList(choices=so.choice)}
+    return {"regex": so.regex} if so.regex is not None else {"grammar": so.grammar}
 
 
 def _prompt_logprobs(req: _Common, echo: int | None = None) -> dict[str, Any]:

@@ -111,6 +111,45 @@ class ResponseFormat(BaseModel):
         return self
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (its guided_* fields' successor): one constraint, and options.
+    Unknown keys are refused, not ignored: a constraint left out silently would be unconstrained
+    output that looks like success."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    # `json` would shadow a BaseModel attribute; the alias keeps vLLM's JSON name.
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")  # a JSON Schema
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None  # GBNF or Lark
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    whitespace_pattern: str | None = None
+    # Objects without additionalProperties admit only their declared properties (strict mode).
+    disable_additional_properties: bool = False
+    # Forge's JSON output has fixed separators and no free whitespace whichever value this has.
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False  # one grammar backend serves every request: nothing to fall back to
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        for name in ("structural_tag", "whitespace_pattern"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported")
+        asked = self.kinds()
+        if len(asked) != 1:
+            raise ValueError(f"exactly one of json, regex, choice, grammar or json_object must be set, got "
+                             f"{', '.join(asked) or 'none'}")
+        return self
+
+    def kinds(self) -> list[str]:
+        """The constraints set, by vLLM's names."""
+        values = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                  "json_object": self.json_object or None}
+        return [name for name, value in values.items() if value is not None]
+
+
 class _Common(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI + vLLM extensions)."""
 
@@ -142,8 +181,10 @@ class _Common(BaseModel):
     # Speculative decoding where the server runs it: the most tokens drafted per step; 0 opts out.
     num_speculative_tokens: int | None = Field(None, ge=0, le=64)
     prediction: Prediction | None = None
-    # Structured output: OpenAI's response_format, and vLLM's guided_* extensions (at most one).
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
+    # fields (at most one of them).
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | bool | str | None = None  # a JSON Schema (object or JSON text)
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
@@ -153,6 +194,8 @@ class _Common(BaseModel):
     def _one_constraint(self) -> _Common:
         asked = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
                  if getattr(self, name) is not None]
+        if self.structured_outputs is not None:
+            asked.insert(0, "structured_outputs")
         if self.response_format is not None and self.response_format.type != "text":
             asked.insert(0, "response_format")
         if len(asked) > 1:
@@ -173,6 +216,17 @@ class _Common(BaseModel):
         if any(not 0 <= t <= _INT32 for t in value or []):
             raise ValueError("token ids must be non-negative integers")
         return value
+
+    def constraint_param(self, param: str | None) -> str | None:
+        """An error's param as this request spelt it: the service names a constraint by its kind,
+        which the gateway reads as response_format or guided_*; with structured_outputs it is
+        structured_outputs.<kind>."""
+        so = self.structured_outputs
+        if so is not None and param in ("response_format", "guided_regex", "guided_choice", "guided_grammar"):
+            return f"structured_outputs.{so.kinds()[0]}"
+        if self.guided_json is not None and param == "response_format":
+            return "guided_json"
+        return param
 
     @property
     def stop_list(self) -> list[str]:

@@ -153,6 +153,29 @@ def test_bad_constraints_are_400_with_the_reason(client: openai.OpenAI, model: s
     assert error.value.status_code == 400 and words in error.value.message
 
 
+@pytest.mark.parametrize("field, spec, param", [
+    ("regex", "(a", "structured_outputs.regex"), ("json", "{not json", "structured_outputs.json")])
+def test_a_bad_structured_outputs_constraint_names_its_own_field(client: openai.OpenAI, model: str, field, spec,
+                                                                 param) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                       extra_body={"structured_outputs": {field: spec}})
+    assert error.value.status_code == 400 and error.value.body["param"] == param
+
+
+def test_structured_outputs_constrain_the_output(client: openai.OpenAI, model: str) -> None:
+    """vLLM's structured_outputs field on the real model: a choice and a regex are enforced
+    (without them the answers are neither)."""
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Review: I loved it! Sentiment?"}], temperature=0,
+        max_tokens=8, extra_body={"structured_outputs": {"choice": CHOICES}})
+    assert chat.choices[0].message.content in CHOICES
+    completion = client.completions.create(model=model, prompt="Give me a US phone number:", temperature=0,
+                                           max_tokens=32, extra_body={"structured_outputs": {"regex": REGEXES[0][1]}})
+    assert completion.choices[0].finish_reason == "stop"
+    assert re.fullmatch(REGEXES[0][1], completion.choices[0].text), completion.choices[0].text
+
+
 def test_bad_constraint_over_grpc_is_invalid_argument(server: ForgeProcess) -> None:
     with pytest.raises(grpc.RpcError) as error:
         server.stub.Generate(pb.GenerateRequest(text="x", regex="[z-a]"), timeout=30)

@@ -139,7 +139,31 @@ def test_gateway_maps_every_constraint_field():
     assert [m.regex for m in gateway_convert.completion_requests(completion, "id")] == ["b+", "b+"]
 
 
+def test_gateway_maps_vllm_s_structured_outputs():
+    """vLLM's structured_outputs (its guided_* fields' successor) carries each kind of constraint;
+    disable_additional_properties is strict mode."""
+    so = _chat(structured_outputs={"json": SCHEMA})
+    assert json.loads(so.json_schema) == SCHEMA and not so.json_schema_strict
+    strict = _chat(structured_outputs={"json": '{"type": "object"}', "disable_additional_properties": True})
+    assert strict.json_schema == '{"type": "object"}' and strict.json_schema_strict
+    assert _chat(structured_outputs={"json_object": True, "disable_any_whitespace": True}).json_object
+    assert _chat(structured_outputs={"regex": "a+", "disable_fallback": True}).regex == "a+"
+    assert list(_chat(structured_outputs={"choice": ["x", "y"]}).choice.choices) == ["x", "y"]
+    assert _chat(structured_outputs={"grammar": 'root ::= "a"'}).grammar == 'root ::= "a"'
+    completion = CompletionRequest(model="m", prompt="a", structured_outputs={"choice": ["b"]})
+    assert list(gateway_convert.completion_requests(completion, "id")[0].choice.choices) == ["b"]
+
+
 @pytest.mark.parametrize("fields, param", [
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "backend": "xgrammar"}}, "structured_outputs.backend"),
+    ({"structured_outputs": {"regex": "a"}, "guided_regex": "a"}, None),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, None),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
