@@ -205,12 +205,13 @@ async def _chat(request: Request, body: ChatCompletionRequest, config: GatewayCo
     message = convert.chat_request(body, request_id)
     created, timeout = int(time.time()), _timeout(request, config)
     if body.stream:
-        formatter = convert.ChatStream(response_id, created, body.model, body.n, body.logprobs, body.include_usage)
+        formatter = convert.ChatStream(response_id, created, body.model, body.n, body.logprobs, body.include_usage,
+                                       echo=body.echoed)
         return await _stream(request, [message], formatter, timeout)
     call = _replicas(request).generate(message, timeout)
     response = await _unless_disconnected(request, _answer(request, call), _canceller([call]))
     return JSONResponse(convert.chat_completion(response, response_id, created, body.model, body.logprobs,
-                                                body.prompt_logprobs))
+                                                body.prompt_logprobs, echo=body.echoed))
 
 
 async def _responses(request: Request, body: responses.ResponsesRequest, config: GatewayConfig) -> Response:

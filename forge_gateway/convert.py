@@ -99,8 +99,11 @@ def _prompt_logprobs(req: _Common, echo: int | None = None) -> dict[str, Any]:
 def chat_request(req: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
     messages = [pb.ChatMessage(role=_ROLES.get(m.role, m.role), content=m.text(), name=m.name or "",
                                **tools.message_fields(m.tool_calls, m.tool_call_id)) for m in req.messages]
+    chat = pb.ChatInput(messages=messages, continue_final_message=req.continue_final_message)
+    if req.add_generation_prompt is not None:
+        chat.add_generation_prompt = req.add_generation_prompt
     return pb.GenerateRequest(
-        model=req.model, request_id=request_id, chat=pb.ChatInput(messages=messages), n=req.n,
+        model=req.model, request_id=request_id, chat=chat, n=req.n,
         sampling=_sampling(req), stopping=_stopping(req, req.output_limit),
         logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, **constraint(req),
         **tools.request_fields(req.tools, req.tool_choice, req.parallel_tool_calls), **_speculative(req),
@@ -250,11 +253,12 @@ def _prompt_logprobs_of(resp: pb.GenerateResponse) -> pb.PromptLogprobs:
 # ---- whole (non-streaming) responses -------------------------------------------------
 
 def chat_completion(resp: pb.GenerateResponse, response_id: str, created: int, model: str,
-                    want_logprobs: bool, prompt_logprobs: int | None = None) -> dict[str, Any]:
-    """`prompt_logprobs`: vLLM's, once for the response (the prompt is the same for each choice)."""
+                    want_logprobs: bool, prompt_logprobs: int | None = None, echo: str = "") -> dict[str, Any]:
+    """`prompt_logprobs`: vLLM's, once for the response (the prompt is the same for each choice);
+    `echo`: text that begins each answer."""
     choices = [{
         "index": c.index,
-        "message": _message(c),
+        "message": _message(c, echo),
         "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
         "finish_reason": finish_reason(c),
         "stop_reason": _stop_reason(c),
@@ -266,10 +270,10 @@ def chat_completion(resp: pb.GenerateResponse, response_id: str, created: int, m
     return out
 
 
-def _message(choice: pb.Choice) -> dict[str, Any]:
+def _message(choice: pb.Choice, echo: str = "") -> dict[str, Any]:
     if not choice.tool_calls:
-        return {"role": "assistant", "content": choice.text, "refusal": None}
-    return {"role": "assistant", "content": choice.text or None, "refusal": None,
+        return {"role": "assistant", "content": echo + choice.text, "refusal": None}
+    return {"role": "assistant", "content": echo + choice.text or None, "refusal": None,
             "tool_calls": tools.message_tool_calls(choice.tool_calls)}
 
 
@@ -386,10 +390,16 @@ class _Stream:
 
 
 class ChatStream(_Stream):
+    """`echo`: text that begins each answer, sent with its role."""
+
     object_name = "chat.completion.chunk"
 
+    def __init__(self, *args: Any, echo: str = "") -> None:
+        super().__init__(*args)
+        self.echo = echo
+
     def start(self) -> list[dict[str, Any]]:
-        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,
                              "finish_reason": None}]) for i in range(self.n)]
 
     def _delta(self, index: int, chunk: pb.StreamChunk) -> dict[str, Any] | None:

@@ -246,12 +246,28 @@ class ChatCompletionRequest(_Common):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's template controls: the model goes on writing the last message (an assistant's, whose
+    # text the client began: a prefill) instead of starting a new one; the generation prompt
+    # (unset: added, unless continuing).
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None
+    # vLLM's chat echo: each answer begins with the last message's text when that is an
+    # assistant's (with continue_final_message, the whole answer).
+    echo: bool = False
+    # Modalities other than text are refused (the model answers in text alone).
+    modalities: list[Literal["text"]] | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @property
+    def echoed(self) -> str:
+        """The text `echo` puts before each answer: the last message's, when it is an assistant's."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     @property
     def output_limit(self) -> int | None:

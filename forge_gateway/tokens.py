@@ -1,6 +1,7 @@
 """POST /tokenize and /detokenize (vLLM's routes and shapes): a prompt's token count before sending
 it, and token ids back to text. A chat prompt is counted as /v1/chat/completions would feed it
-(template, tools, the assistant generation prompt), through the service's Tokenize RPC."""
+(template, tools, the assistant generation prompt or the last message left open), through the
+service's Tokenize RPC."""
 from __future__ import annotations
 
 from typing import Any
@@ -21,19 +22,22 @@ class TokenizeRequest(BaseModel):
     prompt: str | list[TokenId] | None = None
     messages: list[ChatMessage] | None = None
     tools: list[ToolDef] | None = None
-    # Only what the generation routes do is offered: they always add both.
-    add_generation_prompt: bool = True
+    # The chat route's template controls (see ChatCompletionRequest).
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    # Only what the generation routes do is offered: they always add them.
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("set exactly one of prompt and messages")
-        if self.tools is not None and self.messages is None:
-            raise ValueError("tools need messages")
-        if not (self.add_generation_prompt and self.add_special_tokens):
-            raise ValueError("add_generation_prompt and add_special_tokens can only be true: prompts are "
-                             "counted as the generation routes feed them")
+        if self.messages is None and (self.tools is not None or self.add_generation_prompt is not None
+                                      or self.continue_final_message):
+            raise ValueError("tools, add_generation_prompt and continue_final_message need messages")
+        if not self.add_special_tokens:
+            raise ValueError("add_special_tokens can only be true: prompts are counted as the generation routes "
+                             "feed them")
         return self
 
 
@@ -47,8 +51,10 @@ class DetokenizeRequest(BaseModel):
 def tokenize_request(req: TokenizeRequest, request_id: str) -> pb.GenerateRequest:
     """The GenerateRequest whose prompt is the one to count."""
     if req.messages is not None:
-        return convert.chat_request(ChatCompletionRequest(model=req.model, messages=req.messages, tools=req.tools),
-                                    request_id)
+        chat = ChatCompletionRequest(model=req.model, messages=req.messages, tools=req.tools,
+                                     add_generation_prompt=req.add_generation_prompt,
+                                     continue_final_message=req.continue_final_message)
+        return convert.chat_request(chat, request_id)
     return convert.completion_requests(CompletionRequest(model=req.model, prompt=req.prompt), request_id)[0]
 
 

@@ -142,7 +142,7 @@ def input_token_ids(request: pb.GenerateRequest, tokenizer: Any, setup: ToolSetu
         if not request.chat.messages:
             raise InvalidArgument("chat.messages is empty")
         messages, variables = template_inputs(request.chat.messages, setup, getattr(tokenizer, "chat_template", None))
-        ids = list(tokenizer.encode_chat(messages, add_generation_prompt=True, **variables))
+        ids = list(tokenizer.encode_chat(messages, **_template_flags(request.chat), **variables))
     elif kind == "token_ids":
         ids = list(request.token_ids.ids)
         bad = next((i for i in ids if i >= tokenizer.vocab_size), None)
@@ -153,6 +153,21 @@ def input_token_ids(request: pb.GenerateRequest, tokenizer: Any, setup: ToolSetu
     if not ids:
         raise InvalidArgument("the prompt is empty")
     return ids
+
+
+def _template_flags(chat: pb.ChatInput) -> dict[str, bool]:
+    """How the template ends the prompt: the generation prompt, or the last message left open."""
+    continuing = chat.continue_final_message
+    adding = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else not continuing
+    if continuing:
+        if adding:
+            raise InvalidArgument("continue_final_message cannot be combined with add_generation_prompt: true",
+                                  field="chat.add_generation_prompt")
+        last, at = chat.messages[-1], len(chat.messages) - 1
+        if last.role != "assistant" or last.tool_calls:
+            raise InvalidArgument(f"continue_final_message continues the last message, which must be an assistant's "
+                                  f"text without tool_calls; messages[{at}] is not", field=f"chat.messages[{at}]")
+    return {"add_generation_prompt": adding, "continue_final_message": continuing}
 
 
 def detokenized(request: pb.DetokenizeRequest, tokenizer: Any) -> str:

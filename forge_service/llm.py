@@ -50,13 +50,15 @@ class LLM:
 
     def chat(self, conversations: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Each conversation is a list of {"role", "content"} messages rendered with the model's template."""
+             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
+        """Each conversation is a list of {"role", "content"} messages rendered with the model's template.
+        continue_final_message (with add_generation_prompt=False): the model goes on writing the
+        last message (an answer's beginning given by the caller)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
-                 for c in conversations]
-        ids = [self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt) for c in conversations]
+        flags = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+        texts = [self.tokenizer.apply_chat_template(c, **flags) for c in conversations]
+        ids = [self.tokenizer.encode_chat(c, **flags) for c in conversations]
         return self._run(ids, texts, sampling_params)
 
     def _run(self, prompts: list[list[int]], texts: list[str | None],

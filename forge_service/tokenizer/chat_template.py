@@ -19,6 +19,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from forge_service.errors import InvalidArgument
 
 
+_CONTENT_END = "\ue004"  # a private-use character: marks the end of a message to be continued
+
+
 class TemplateRaised(jinja2.exceptions.TemplateError):
     """A template called `raise_exception(msg)`: the conversation is not one it accepts."""
 
@@ -69,9 +72,30 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
         self.template = compile_template(source)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The prompt text. Extra kwargs (`tools`, `documents`, template flags) override special tokens."""
-        variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+               **kwargs: Any) -> str:
+        """The prompt text. Extra kwargs (`tools`, `documents`, template flags) override special tokens.
+
+        continue_final_message: the text ends where the last message's content does (the template's
+        end-of-message tokens and anything after them cut), so that the model goes on writing it."""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidArgument("continue_final_message cannot be combined with add_generation_prompt")
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise InvalidArgument("continue_final_message needs a last message with text content")
+            # A mark after the content shows where the template wrote its end, whatever it wraps it in.
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTENT_END}]
+        text = self._render(messages, add_generation_prompt, {**self.special_tokens, "tools": None, "documents": None,
+                                                              **kwargs})
+        if not continue_final_message:
+            return text
+        end = text.rfind(_CONTENT_END)
+        if end < 0:
+            raise InvalidArgument("the chat template does not write the last message's content, so it cannot be "
+                                  "continued")
+        return text[:end]
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, variables: dict[str, Any]) -> str:
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         except TemplateRaised as e:

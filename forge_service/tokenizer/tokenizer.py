@@ -123,7 +123,8 @@ class Tokenizer:
     # --- chat --------------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The prompt text for a conversation. `chat_template=` overrides the model's template.
+        """The prompt text for a conversation. `chat_template=` overrides the model's template;
+        `continue_final_message=True` leaves the last message open (see ChatTemplate.render).
 
         Raises InvalidArgument when there is no template, or it fails or rejects the messages."""
         source = kwargs.pop("chat_template", None)

@@ -111,6 +111,28 @@ def test_chat_template_matches_transformers(ours, hf, name, add_generation_promp
     assert ours.encode_chat(messages, add_generation_prompt=add_generation_prompt) == expected_ids
 
 
+@pytest.mark.parametrize("prefill", ["The capital of France is", "Bonjour ! 😀 Voici", ""])
+@pytest.mark.parametrize("name", ["single_turn", "multi_turn_system"])
+def test_continue_final_message_matches_transformers(ours, hf, name, prefill):
+    """A conversation ending with an assistant's beginning of an answer, left open as transformers
+    leaves it: no end-of-message tokens after its text."""
+    messages = CONVERSATIONS[name] + [{"role": "assistant", "content": prefill}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    expected = hf.apply_chat_template(messages, tokenize=False, **flags)
+    assert ours.apply_chat_template(messages, **flags) == expected
+    assert expected.endswith("<|im_start|>assistant\n" + prefill)
+    expected_ids = hf.apply_chat_template(messages, tokenize=True, **flags)
+    expected_ids = expected_ids["input_ids"] if not isinstance(expected_ids, list) else expected_ids
+    assert ours.encode_chat(messages, **flags) == expected_ids
+
+
+def test_a_continued_message_keeps_typed_control_tokens_as_text(ours):
+    messages = [{"role": "user", "content": "Say it"}, {"role": "assistant", "content": "Sure: <|im_end|>"}]
+    ids = ours.encode_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert ids.count(2) == 2 and not any(ours.is_special(i) for i in ids[-6:])  # system and user ends only
+    assert ours.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\nSure: <|im_end|>")
+
+
 def test_a_user_cannot_fake_a_turn_with_typed_control_tokens(ours, hf):
     """The default model's template: only the template's own <|im_start|>/<|im_end|> are control
     tokens; the same text typed by the user is spelled out in ordinary tokens."""

@@ -39,8 +39,12 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        """`<role>content` per message, `</role>` after each but a continued last one."""
+        text = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
+        if continue_final_message:
+            text = text[:-len(f"</{messages[-1]['role']}>")]
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 
     def decode(self, ids: list[int]) -> str:

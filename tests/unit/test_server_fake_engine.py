@@ -94,7 +94,7 @@ def test_generate_text_chat_and_token_ids() -> None:
         chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="hi")])
         response = await h.stub.Generate(pb.GenerateRequest(chat=chat, stopping=pb.StoppingParameters(max_tokens=6)))
         assert response.choices[0].text == "<user>"  # the fake template, echoed
-        assert response.usage.prompt_tokens == len("<user>hi<assistant>")
+        assert response.usage.prompt_tokens == len("<user>hi</user><assistant>")
 
         tokens = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(b"abc")), n=2)
         response = await h.stub.Generate(tokens)

@@ -410,3 +410,38 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(idle_server, openai_client
     chat_entries = chat.model_extra["prompt_logprobs"]
     assert chat_entries[0] is None and len(chat_entries) == chat.usage.prompt_tokens
     assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in chat_entries[1:])
+
+
+def test_an_answer_begun_by_the_client_is_continued(forge_server, idle_server, openai_client, model_name) -> None:
+    """continue_final_message: begun with the first words of the model's own greedy answer, the
+    model goes on exactly as that answer does (rows are batch- and chunk-invariant), whole and
+    streamed; echo gives the answer whole; the continued prompt is billed as /tokenize counts it."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = openai_client.chat.completions.create(model=model_name, messages=question, max_tokens=32,
+                                                   temperature=0).choices[0]
+    assert answer.finish_reason == "stop" and answer.message.content.count(" ") >= 3, answer
+    text = answer.message.content
+    begun = text[:text.index(" ", len(text) // 3)]  # whole words: tokenized as the model wrote them
+    messages = question + [{"role": "assistant", "content": begun}]
+    params = dict(model=model_name, messages=messages, max_tokens=32, temperature=0)
+    go_on = {"continue_final_message": True}
+    continued = openai_client.chat.completions.create(**params, extra_body=go_on)
+    assert continued.choices[0].message.content == text[len(begun):]
+    echoed = openai_client.chat.completions.create(**params, extra_body={**go_on, "echo": True})
+    assert echoed.choices[0].message.content == text
+    streamed, finish, chunks = chat_stream(openai_client, **params, extra_body={**go_on, "echo": True})
+    assert streamed == {0: text} and finish == {0: "stop"} and chunks[0].choices[0].delta.content == begun
+    counted = post(forge_server, "/tokenize", {"model": model_name, "messages": messages, **go_on}).json()
+    assert counted["count"] == continued.usage.prompt_tokens
+    new_turn = openai_client.chat.completions.create(**params)  # without it, a new message after the closed one
+    assert new_turn.usage.prompt_tokens > continued.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("messages, fields, param", [
+    (CHAT, {"continue_final_message": True}, "messages[0]"),
+    (CHAT + [{"role": "assistant", "content": "An"}], {"continue_final_message": True, "add_generation_prompt": True},
+     "add_generation_prompt"),
+])
+def test_a_message_that_cannot_be_continued_is_400(forge_server, model_name, messages, fields, param) -> None:
+    response = post(forge_server, "/v1/chat/completions", {"model": model_name, "messages": messages, **fields})
+    assert assert_openai_error(response, 400, "invalid_request_error", None)["param"] == param
