@@ -237,6 +237,14 @@ class _Common(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+_REFUSED_CHAT_FIELDS = {
+    "functions": " (the deprecated form of tools): send tools",
+    "function_call": " (the deprecated form of tool_choice): send tools and tool_choice",
+    "audio": ": the model answers in text",
+    "web_search_options": ": Forge runs no web search",
+}
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=_INT32)
@@ -256,6 +264,20 @@ class ChatCompletionRequest(_Common):
     echo: bool = False
     # Modalities other than text are refused (the model answers in text alone).
     modalities: list[Literal["text"]] | None = None
+
+    # OpenAI fields Forge cannot honour: refused by name, since ignoring them would answer something
+    # else than was asked (no function call, no audio, no search).
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    web_search_options: Any = None
+
+    @field_validator("functions", "function_call", "audio", "web_search_options")
+    @classmethod
+    def _not_served(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(f"not supported{_REFUSED_CHAT_FIELDS[info.field_name]}")
+        return value
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:

@@ -1,5 +1,6 @@
-"""vLLM's chat template controls (continue_final_message, add_generation_prompt), chat echo and
-modalities: the gateway's fields (a fake service) and the service's checks (a fake engine)."""
+"""vLLM's chat template controls (continue_final_message, add_generation_prompt), chat echo, and
+the OpenAI fields Forge refuses rather than ignores: the gateway's fields (a fake service) and the
+service's checks (a fake engine)."""
 from __future__ import annotations
 
 import grpc
@@ -51,6 +52,10 @@ def test_echo_begins_each_answer_with_the_last_assistant_message(http: httpx.Cli
 @pytest.mark.parametrize("fields, param", [
     ({"modalities": ["text", "audio"]}, "modalities.1"),
     ({"continue_final_message": "yes"}, "continue_final_message"),
+    ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"web_search_options": {}}, "web_search_options"),
 ])
 def test_refused_chat_fields_are_400_naming_them(http: httpx.Client, fake, fields, param):
     response = http.post("/v1/chat/completions", json=chat_body(**fields))
