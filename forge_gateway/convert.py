@@ -36,7 +36,8 @@ def _sampling(req: _Common) -> pb.SamplingParameters:
 def _stopping(req: _Common, max_tokens: int | None) -> pb.StoppingParameters:
     stopping = pb.StoppingParameters(
         stop=req.stop_list, stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
-        include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens)
+        min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens)
     if max_tokens is not None:
         stopping.max_tokens = max_tokens
     return stopping

@@ -24,7 +24,8 @@ FINISH_REASONS = {
 
 
 # SamplingParams' attributes that do not come from sampling.<name>: the GenerateRequest field each does.
-_REQUEST_FIELDS = {"n": "n", "max_tokens": "stopping.max_tokens", "stop": "stopping.stop",
+_REQUEST_FIELDS = {"n": "n", "max_tokens": "stopping.max_tokens", "min_tokens": "stopping.min_tokens",
+                   "stop": "stopping.stop",
                    "stop_token_ids": "stopping.stop_token_ids", "logprobs": "top_logprobs",
                    "num_speculative_tokens": "num_speculative_tokens", "prompt_logprobs": "prompt_logprobs"}
 _SAMPLING_FIELDS = {f.name for f in pb.SamplingParameters.DESCRIPTOR.fields}
@@ -79,6 +80,7 @@ def sampling_params(request: pb.GenerateRequest, setup: ToolSetup | None = None)
         logit_bias={int(k): _f32(v) for k, v in s.logit_bias.items()} or None,
         seed=s.seed if s.HasField("seed") else None,
         max_tokens=t.max_tokens if t.HasField("max_tokens") else None,
+        min_tokens=t.min_tokens,
         stop=list(t.stop),
         stop_token_ids=list(t.stop_token_ids),
         ignore_eos=t.ignore_eos,

@@ -52,6 +52,7 @@ class CompletionProcessor:
         can_end = grammar.accepts if grammar is not None else None
         self.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output, can_end) \
             if params.stop else None
+        self.min_tokens = params.min_tokens
         self.token_texts = token_texts
         self.want_logprobs = params.logprobs is not None
         self.cumulative_logprob = 0.0 if self.want_logprobs else None
@@ -67,7 +68,7 @@ class CompletionProcessor:
         text = "" if stopped_by_token and not request.sampling_params.include_stop_str_in_output \
             else self.detok.add([sampled.token_id])
         matched = None
-        if self.stops is not None:
+        if self.stops is not None and len(request.output_token_ids) > self.min_tokens:
             text, matched = self.stops.feed(text)
         if request.status.finished and matched is None:
             text += self._flush()

@@ -27,6 +27,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to the context length
+    # The first min_tokens tokens are generated whatever comes: no stop token (EOS, stop_token_ids)
+    # is sampled among them, and stop strings are looked for only in the text after them.
+    min_tokens: int = 0
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -82,6 +85,12 @@ class SamplingParams:
              f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
              f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
+            (not (self.min_tokens and self.constraint is not None), "min_tokens",
+             "min_tokens cannot be combined with structured output or tool calls: the grammar decides where the "
+             "output ends"),
             (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
              f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS, "prompt_logprobs",

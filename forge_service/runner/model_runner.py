@@ -247,10 +247,11 @@ class ModelRunner:
             req = c.request
             for j in range(len(c.draft) + 1):
                 output = req.output_token_ids + c.draft[:j] if j else req.output_token_ids
+                short = len(output) < req.sampling_params.min_tokens
                 rows.append(RowSampling(params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
                                         output_token_ids=output, generator=_position_generator(
                                             None if req.sampling_params.greedy else req.seed, len(output)),
-                                        seed=req.seed))
+                                        seed=req.seed, banned=req.stop_token_set if short else frozenset()))
                 request_ids.append(req.request_id)
                 ahead.append(c.draft[:j])
         meta = SamplingMetadata.build(rows, logits.shape[-1], logits.device)

@@ -1,6 +1,7 @@
 """The sampling parameters of one step's batch, gathered once into tensors."""
 from __future__ import annotations
 
+import math
 from array import array
 from dataclasses import dataclass, field
 from itertools import chain
@@ -22,6 +23,8 @@ class RowSampling:
     generator: torch.Generator | None = None
     # The request's seed, for samplers with counter-based noise keyed by (seed, step).
     seed: int | None = None
+    # Tokens this row may not sample: its stop tokens while its output is shorter than min_tokens.
+    banned: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -144,8 +147,9 @@ def _frequency_presence(rows: list[RowSampling], vocab_size: int,
 
 
 def _logit_bias(rows: list[RowSampling], vocab_size: int, device: torch.device | str) -> SparseLogits | None:
+    """logit_bias, and -inf at each row's banned tokens."""
     biased = [(i * vocab_size + int(token), bias) for i, r in enumerate(rows)
-              for token, bias in (r.params.logit_bias or {}).items()]
+              for token, bias in chain((r.params.logit_bias or {}).items(), dict.fromkeys(r.banned, -math.inf).items())]
     if not biased:
         return None
     return SparseLogits(torch.tensor([i for i, _ in biased], device=device),

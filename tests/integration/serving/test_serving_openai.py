@@ -445,3 +445,15 @@ def test_an_answer_begun_by_the_client_is_continued(forge_server, idle_server, o
 def test_a_message_that_cannot_be_continued_is_400(forge_server, model_name, messages, fields, param) -> None:
     response = post(forge_server, "/v1/chat/completions", {"model": model_name, "messages": messages, **fields})
     assert assert_openai_error(response, 400, "invalid_request_error", None)["param"] == param
+
+
+def test_min_tokens_holds_off_the_end(idle_server, openai_client, model_name) -> None:
+    """vLLM's min_tokens: the greedy answer goes on where it ended, past the end-of-sequence it
+    would have sampled, to at least min_tokens tokens."""
+    params = dict(model=model_name, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                  max_tokens=64, temperature=0)
+    short = openai_client.chat.completions.create(**params)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 20, short
+    longer = openai_client.chat.completions.create(**params, extra_body={"min_tokens": 24})
+    assert longer.usage.completion_tokens >= 24
+    assert longer.choices[0].message.content.startswith(short.choices[0].message.content)
