@@ -203,6 +203,13 @@ class _Common(BaseModel):
             raise ValueError(f"at most one structured output constraint may be set, got {', '.join(asked)}")
         return self
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options can only be set with stream: true")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:

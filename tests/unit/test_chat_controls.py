@@ -56,6 +56,8 @@ def test_echo_begins_each_answer_with_the_last_assistant_message(http: httpx.Cli
     ({"function_call": "auto"}, "function_call"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"web_search_options": {}}, "web_search_options"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
 ])
 def test_refused_chat_fields_are_400_naming_them(http: httpx.Client, fake, fields, param):
     response = http.post("/v1/chat/completions", json=chat_body(**fields))
