@@ -173,6 +173,7 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=_INT32)
+    bad_words: list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

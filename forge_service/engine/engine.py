@@ -22,6 +22,7 @@ from forge_service.kv_cache.manager import KVCacheManager
 from forge_service.loaders import Checkpoint, default_model_path, load_checkpoint
 from forge_service.models.registry import build_model
 from forge_service.runner.model_runner import ModelRunner, SampledToken
+from forge_service.sampling.bad_words import bad_word_ids
 from forge_service.structured import GrammarCompiler, MatcherSet
 from forge_service.tokenizer import Tokenizer
 
@@ -135,7 +136,8 @@ class LLMEngine:
         if bound and self.scheduler.num_waiting + params.n > bound:
             raise QueueFull(f"the waiting queue is full ({self.scheduler.num_waiting} of {bound})")
         label = request_id if label is None else label
-        children = [self._child(request_id, prompt_token_ids, params, i, label) for i in range(params.n)]
+        bad_words = bad_word_ids(self.tokenizer, params.bad_words)
+        children = [self._child(request_id, prompt_token_ids, params, i, label, bad_words) for i in range(params.n)]
         taken = next((i for i in [request_id, *(c.request_id for c in children)]
                       if i in self.parents or i in self.processors), None)
         if taken is not None:  # a parent's id and another's completion id must never meet either
@@ -154,13 +156,14 @@ class LLMEngine:
             raise
 
     def _child(self, request_id: str, prompt: list[int], params: SamplingParams, index: int,
-               label: str) -> Request:
+               label: str, bad_words: tuple[tuple[int, ...], ...]) -> Request:
         stops = set(params.stop_token_ids)
         if not params.ignore_eos or params.constraint is not None:  # a grammar allows EOS only at its end
             stops.update(self.eos_token_ids)
         return Request(
             request_id=request_id if params.n == 1 else f"{request_id}#{index}",
             prompt_token_ids=list(prompt), sampling_params=params, stop_token_set=frozenset(stops),
+            bad_word_ids=bad_words,
             max_model_len=self.max_model_len, parent_id=request_id, index=index, label=label,
             seed=None if params.seed is None else params.seed + index,
             # The prompt is the same for every completion: the first computes its logprobs.

@@ -25,6 +25,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # Words the output may not contain (at most MAX_BAD_WORDS): a step never completes one.
+    bad_words: list[str] | None = None
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to the context length
     # The first min_tokens tokens are generated whatever comes: no stop token (EOS, stop_token_ids)
@@ -53,6 +55,7 @@ class SamplingParams:
     prediction: list[int] | None = None
 
     MAX_LOGPROBS = 20
+    MAX_BAD_WORDS = 64
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +94,13 @@ class SamplingParams:
             (not (self.min_tokens and self.constraint is not None), "min_tokens",
              "min_tokens cannot be combined with structured output or tool calls: the grammar decides where the "
              "output ends"),
+            (len(self.bad_words or []) <= self.MAX_BAD_WORDS, "bad_words",
+             f"at most {self.MAX_BAD_WORDS} bad_words, got {len(self.bad_words or [])}"),
+            (all(isinstance(w, str) and w.strip() and len(w) <= 256 for w in self.bad_words or []), "bad_words",
+             "bad_words must be non-blank strings of at most 256 characters"),
+            (not (self.bad_words and self.constraint is not None), "bad_words",
+             "bad_words cannot be combined with structured output or tool calls: the grammar decides which tokens "
+             "may come"),
             (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
              f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS, "prompt_logprobs",
@@ -169,6 +179,8 @@ class Request:
     sampling_params: SamplingParams
     # Tokens that end generation (EOS ids unless ignore_eos, plus stop_token_ids).
     stop_token_set: frozenset[int] = frozenset()
+    # sampling_params.bad_words as token sequences (forge_service/sampling/bad_words.py).
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
     # Hard cap on prompt + output tokens (the model's context length).
     max_model_len: int = 1 << 30
     parent_id: str | None = None

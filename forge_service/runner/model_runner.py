@@ -14,6 +14,7 @@ from forge_service.engine.outputs import ScheduledChunk, SchedulerOutput
 from forge_service.engine.request import PromptLogprob, Request
 from forge_service.models.arch import ArchConfig
 from forge_service.sampling import RowSampling, Sampler, SamplingMetadata
+from forge_service.sampling.bad_words import banned_tokens
 from forge_service.structured import MatcherSet
 
 
@@ -247,11 +248,10 @@ class ModelRunner:
             req = c.request
             for j in range(len(c.draft) + 1):
                 output = req.output_token_ids + c.draft[:j] if j else req.output_token_ids
-                short = len(output) < req.sampling_params.min_tokens
                 rows.append(RowSampling(params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
                                         output_token_ids=output, generator=_position_generator(
                                             None if req.sampling_params.greedy else req.seed, len(output)),
-                                        seed=req.seed, banned=req.stop_token_set if short else frozenset()))
+                                        seed=req.seed, banned=_banned(req, output)))
                 request_ids.append(req.request_id)
                 ahead.append(c.draft[:j])
         meta = SamplingMetadata.build(rows, logits.shape[-1], logits.device)
@@ -286,6 +286,15 @@ class ModelRunner:
             else:
                 s.top = []
         return s
+
+
+def _banned(request: Request, output: list[int]) -> frozenset[int]:
+    """Tokens the row after `output` may not sample: its stop tokens while the output is shorter
+    than min_tokens, and the last token of each bad word the output would complete."""
+    short = len(output) < request.sampling_params.min_tokens
+    if not (short or request.bad_word_ids):
+        return frozenset()
+    return frozenset(banned_tokens(request.bad_word_ids, output)).union(request.stop_token_set if short else ())
 
 
 def _prompt_rows(chunks: list[ScheduledChunk]) -> list[tuple[Request, int, int]]:

@@ -457,3 +457,15 @@ def test_min_tokens_holds_off_the_end(idle_server, openai_client, model_name) ->
     longer = openai_client.chat.completions.create(**params, extra_body={"min_tokens": 24})
     assert longer.usage.completion_tokens >= 24
     assert longer.choices[0].message.content.startswith(short.choices[0].message.content)
+
+
+def test_bad_words_never_come(idle_server, openai_client, model_name) -> None:
+    """vLLM's bad_words: the greedy answer names Paris; banned, the word does not come, whole or in
+    a stream."""
+    params = dict(model=model_name, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                  max_tokens=32, temperature=0)
+    assert "Paris" in openai_client.chat.completions.create(**params).choices[0].message.content
+    banned = openai_client.chat.completions.create(**params, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in banned.choices[0].message.content and banned.usage.completion_tokens > 0
+    streamed, _, _ = chat_stream(openai_client, **params, extra_body={"bad_words": ["Paris"]})
+    assert streamed == {0: banned.choices[0].message.content}
