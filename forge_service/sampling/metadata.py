@@ -149,7 +149,8 @@ def _frequency_presence(rows: list[RowSampling], vocab_size: int,
 def _logit_bias(rows: list[RowSampling], vocab_size: int, device: torch.device | str) -> SparseLogits | None:
     """logit_bias, and -inf at each row's banned tokens."""
     biased = [(i * vocab_size + int(token), bias) for i, r in enumerate(rows)
-              for token, bias in chain((r.params.logit_bias or {}).items(), dict.fromkeys(r.banned, -math.inf).items())]
+              for token, bias in (r.params.logit_bias or {}).items()]
+    biased += [(i * vocab_size + token, -math.inf) for i, r in enumerate(rows) if r.banned for token in r.banned]
     if not biased:
         return None
     return SparseLogits(torch.tensor([i for i, _ in biased], device=device),
