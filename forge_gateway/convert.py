@@ -43,9 +43,11 @@ def _stopping(req: _Common, max_tokens: int | None) -> pb.StoppingParameters:
     return stopping
 
 
-def _speculative(req: _Common) -> dict[str, Any]:
-    n = req.num_speculative_tokens
-    fields: dict[str, Any] = {} if n is None else {"num_speculative_tokens": n}
+def _scheduling(req: _Common) -> dict[str, Any]:
+    """How the request is run: its priority and its drafting (speculative decoding)."""
+    fields: dict[str, Any] = {"priority": req.priority}
+    if req.num_speculative_tokens is not None:
+        fields["num_speculative_tokens"] = req.num_speculative_tokens
     if req.prediction is not None:
         fields["prediction"] = req.prediction.text()
     return fields
@@ -107,7 +109,7 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> pb.GenerateRequ
         model=req.model, request_id=request_id, chat=chat, n=req.n,
         sampling=_sampling(req), stopping=_stopping(req, req.output_limit),
         logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, **constraint(req),
-        **tools.request_fields(req.tools, req.tool_choice, req.parallel_tool_calls), **_speculative(req),
+        **tools.request_fields(req.tools, req.tool_choice, req.parallel_tool_calls), **_scheduling(req),
         **_prompt_logprobs(req))
 
 
@@ -122,7 +124,7 @@ def completion_requests(req: CompletionRequest, request_id: str) -> list[pb.Gene
             model=req.model, request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}", n=req.n,
             sampling=_sampling(req), stopping=_stopping(req, 1 if req.prompt_only else req.max_tokens),
             logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, **constraint(req),
-            **_speculative(req),  # echo shows the prompt's logprobs, which carry its tokens' text
+            **_scheduling(req),  # echo shows the prompt's logprobs, which carry its tokens' text
             **_prompt_logprobs(req, (req.logprobs or 0) if req.echo else None))
         if isinstance(prompt, str):
             message.text = prompt

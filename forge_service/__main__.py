@@ -36,6 +36,9 @@ ENGINE_FLAGS = [
      "latency under long prompts; 0: no bound)"),
     ("--max-num-seqs", "max_num_seqs", int, "most requests running at once"),
     ("--max-waiting", "max_waiting", int, "most requests waiting; past it RESOURCE_EXHAUSTED (0: unbounded)"),
+    ("--scheduling-policy", "scheduling_policy", str,
+     "fcfs (default): arrival order; priority: by each request's priority (lower first), preempting "
+     "lower-ranked running requests for a waiting one that finds no room"),
     ("--max-grammar-bytes", "max_grammar_bytes", int,
      "largest structured-output schema, regex or grammar, in bytes; past it INVALID_ARGUMENT"),
     ("--grammar-compile-timeout-s", "grammar_compile_timeout_s", float,

@@ -75,10 +75,16 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     # Bound on waiting requests; past it, new requests are refused. 0 means unbounded.
     max_waiting: int = 256
+    # "fcfs": requests run in arrival order. "priority": by each request's priority (lower first),
+    # then arrival; a waiting request that outranks running ones and finds no seat or no KV
+    # blocks makes the lowest-ranked of them give way (preempted, recomputed later).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         require_at_least(self, 1, "max_num_batched_tokens", "max_num_seqs")
         require_at_least(self, 0, "max_tokens_while_decoding", "max_waiting")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
 
 
 @dataclass(frozen=True)

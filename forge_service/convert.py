@@ -27,7 +27,8 @@ FINISH_REASONS = {
 _REQUEST_FIELDS = {"n": "n", "max_tokens": "stopping.max_tokens", "min_tokens": "stopping.min_tokens",
                    "stop": "stopping.stop",
                    "stop_token_ids": "stopping.stop_token_ids", "logprobs": "top_logprobs",
-                   "num_speculative_tokens": "num_speculative_tokens", "prompt_logprobs": "prompt_logprobs"}
+                   "num_speculative_tokens": "num_speculative_tokens", "prompt_logprobs": "prompt_logprobs",
+                   "priority": "priority"}
 _SAMPLING_FIELDS = {f.name for f in pb.SamplingParameters.DESCRIPTOR.fields}
 
 
@@ -91,6 +92,7 @@ def sampling_params(request: pb.GenerateRequest, setup: ToolSetup | None = None)
         skip_special_tokens=t.skip_special_tokens if t.HasField("skip_special_tokens") else True,
         constraint=setup.constraint() if setup is not None and setup.calls_allowed else constraint(request),
         num_speculative_tokens=request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None,
+        priority=request.priority,
     )
 
 

@@ -21,13 +21,15 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64, num_threads: int = 0,
                  enable_prefix_caching: bool = True, device: str = "cpu", speculative: str = "off",
                  spec_max_draft: int = 8, spec_ngram_min: int = 2, spec_ngram_max: int = 4,
-                 spec_max_step_tokens: int = 16, spec_step_base_rows: float = 2.2) -> None:
+                 spec_max_step_tokens: int = 16, spec_step_base_rows: float = 2.2,
+                 scheduling_policy: str = "fcfs") -> None:
         self.engine = LLMEngine(EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, device=device),
             cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes, num_blocks=num_blocks,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                      max_num_seqs=max_num_seqs, max_waiting=0),
+                                      max_num_seqs=max_num_seqs, max_waiting=0,
+                                      scheduling_policy=scheduling_policy),
             speculative=SpeculativeConfig(speculative=speculative, spec_max_draft=spec_max_draft,
                                           spec_ngram_min=spec_ngram_min, spec_ngram_max=spec_ngram_max,
                                           spec_max_step_tokens=spec_max_step_tokens,

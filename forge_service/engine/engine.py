@@ -174,6 +174,10 @@ class LLMEngine:
         """Raise InvalidArgument for bad parameters or a request that cannot fit; thread-safe
         (reads only state fixed at load time)."""
         params.validate(self.arch.vocab_size)
+        if params.priority and self.config.scheduler.scheduling_policy != "priority":
+            raise InvalidArgument(f"priority {params.priority} needs the server's priority scheduling "
+                                  "(--scheduling-policy priority); this one serves requests in arrival order",
+                                  field="priority")
         if params.constraint is not None and set(params.stop_token_ids) - set(self.eos_token_ids):
             raise InvalidArgument("stop_token_ids cannot be combined with structured output: a stop token could "
                                   "cut the output short of its grammar (stop strings end it only where it is complete)",

@@ -53,6 +53,9 @@ class SamplingParams:
     # A predicted output (token ids): text the output is expected to repeat for the most part,
     # which drafting proposes from first. It changes no output, only how fast it comes.
     prediction: list[int] | None = None
+    # Scheduling rank under the "priority" policy: lower runs first (vLLM's convention); requests
+    # of one priority run in arrival order. The "fcfs" policy takes 0 only.
+    priority: int = 0
 
     MAX_LOGPROBS = 20
     MAX_BAD_WORDS = 64
@@ -197,6 +200,8 @@ class Request:
     num_preemptions: int = 0
     # The token (id) or stop string that ended the request, when one did.
     stop_reason: int | str | None = None
+    # (priority, arrival number): the scheduler's order, kept through preemption.
+    queue_key: tuple[int, int] = (0, 0)
     times: RequestTimes = field(default_factory=RequestTimes)
     # Speculative decoding: tokens drafted for this request, and how many of them were accepted.
     num_drafted_tokens: int = 0

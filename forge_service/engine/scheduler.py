@@ -1,6 +1,8 @@
 """Continuous batching with chunked prefill and recompute preemption. Plain Python, no torch."""
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 
 from forge_service.config import SchedulerConfig, SpeculativeConfig
@@ -24,6 +26,12 @@ class Scheduler:
     running request to the front of the waiting queue and admission moves the oldest waiting one
     to the back of `running`, so a re-admitted request keeps its seniority. Only running requests
     hold blocks, so the oldest one always makes progress.
+
+    Under the "priority" policy, order is by (priority, arrival) instead of arrival alone, with
+    the same invariant: a request that outranks some running ones joins `running` among them, and
+    preemption takes the lowest-ranked. Besides, a waiting request that outranks the last running
+    one and finds no seat or too few free blocks for its first chunk has that one preempted, and
+    more as needed, before the step is scheduled.
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
@@ -43,6 +51,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
 
     @property
     def num_waiting(self) -> int:
@@ -74,19 +83,34 @@ class Scheduler:
                 f"the prompt needs {request.num_tokens} tokens of KV cache; it holds "
                 f"{self.kv.num_blocks * self.kv.block_size}", kind=CONTEXT_LENGTH_EXCEEDED)
         request.status = RequestStatus.WAITING
+        request.queue_key = (request.sampling_params.priority, next(self._arrivals))
         self._requests[request.request_id] = request
-        self.waiting.append(request)
+        _insert(self.waiting, request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.config.scheduling_policy == "priority":
+            self._give_way(out)
+        given_way = len(out.preempted)
         # Running requests with one token left to compute: this step's plain decodes.
         decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         budget, prefill_room = self._schedule_running(out, self.config.max_num_batched_tokens,
                                                       self._prefill_room(decodes), decodes)
-        # After a preemption memory is tight: admitting now would only thrash.
-        if not out.preempted:
+        # After a preemption for blocks memory is tight: admitting now would only thrash.
+        if len(out.preempted) == given_way:
             self._schedule_waiting(out, min(budget, prefill_room))
         return out
+
+    def _give_way(self, out: SchedulerOutput) -> None:
+        """Preempt the lowest-ranked running requests while the head of the queue outranks them
+        and has no seat, or too few free blocks for its first chunk."""
+        while self.waiting and self.running and self.running[-1].queue_key > self.waiting[0].queue_key:
+            head = self.waiting[0]
+            first_chunk = min(head.num_tokens, self.config.max_num_batched_tokens)
+            if len(self.running) < self.config.max_num_seqs and \
+                    self.kv.num_free_blocks >= self.kv.blocks_needed(first_chunk):
+                return
+            self._preempt(self.running.pop(), out)
 
     def _prefill_room(self, decodes: int) -> int:
         """How many prompt tokens this step may prefill. A step costs about its token count, and
@@ -227,7 +251,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        _insert(self.waiting, request)  # at the front, unless priorities put others before it
         out.preempted.append(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -242,7 +266,7 @@ class Scheduler:
                 return  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            _insert(self.running, request)
             out.chunks.append(chunk)
             out.num_admitted += 1
             budget -= chunk.num_tokens
@@ -280,3 +304,14 @@ class Scheduler:
         self.kv.free(request.request_id)
         if self.proposer is not None:
             self.proposer.release(request.request_id)
+
+
+def _insert(queue: list[Request] | deque[Request], request: Request) -> None:
+    """Put `request` into a queue kept in queue_key order: at either end in arrival order, where
+    it belongs among others under priorities."""
+    if not queue or queue[-1].queue_key <= request.queue_key:
+        queue.append(request)
+    elif isinstance(queue, deque) and queue[0].queue_key >= request.queue_key:
+        queue.appendleft(request)
+    else:
+        queue.insert(bisect.bisect(queue, request.queue_key, key=lambda r: r.queue_key), request)

@@ -469,3 +469,9 @@ def test_bad_words_never_come(idle_server, openai_client, model_name) -> None:
     assert "Paris" not in banned.choices[0].message.content and banned.usage.completion_tokens > 0
     streamed, _, _ = chat_stream(openai_client, **params, extra_body={"bad_words": ["Paris"]})
     assert streamed == {0: banned.choices[0].message.content}
+
+
+def test_a_priority_on_a_first_come_first_served_server_is_400(forge_server, model_name) -> None:
+    response = post(forge_server, "/v1/chat/completions", {"model": model_name, "messages": CHAT, "priority": 1})
+    error = assert_openai_error(response, 400, "invalid_request_error", None)
+    assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
