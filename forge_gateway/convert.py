@@ -44,8 +44,10 @@ def _stopping(req: _Common, max_tokens: int | None) -> pb.StoppingParameters:
 
 
 def _scheduling(req: _Common) -> dict[str, Any]:
-    """How the request is run: its priority and its drafting (speculative decoding)."""
+    """How the request is run: its priority, its prompt's truncation, its drafting."""
     fields: dict[str, Any] = {"priority": req.priority}
+    if req.truncate_prompt_tokens is not None:
+        fields["truncate_prompt_tokens"] = req.truncate_prompt_tokens
     if req.num_speculative_tokens is not None:
         fields["num_speculative_tokens"] = req.num_speculative_tokens
     if req.prediction is not None:
@@ -117,6 +119,9 @@ def completion_requests(req: CompletionRequest, request_id: str) -> list[pb.Gene
     """One GenerateRequest per prompt (OpenAI accepts a batch of prompts)."""
     if req.max_tokens == 0 and not req.echo:
         raise GatewayError(400, "max_tokens 0 needs echo: it returns the prompt alone", param="max_tokens")
+    if req.echo and req.truncate_prompt_tokens is not None:
+        raise GatewayError(400, "truncate_prompt_tokens cannot be combined with echo: the echoed prompt would not "
+                           "be the one scored", param="truncate_prompt_tokens")
     prompts = req.prompts()
     out = []
     for i, prompt in enumerate(prompts):

@@ -180,6 +180,8 @@ class _Common(BaseModel):
     # Each prompt token's logprob given those before it, with this many alternatives (whole
     # responses only): completions return them per choice, chat once per response.
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: keep only the prompt's last N tokens (-1: as many as the context leaves room for).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=_INT32)
     # Scheduling rank on a server with priority scheduling: lower runs first (vLLM's extension).
     priority: int = Field(0, ge=-(2**31), le=_INT32)
     # Speculative decoding where the server runs it: the most tokens drafted per step; 0 opts out.

@@ -130,12 +130,23 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Any, max_model_len:
     """Tokenize the request's input (rendering chat messages with the model's template); refused
     when it leaves no room in the context for one generated token."""
     ids = input_token_ids(request, tokenizer, setup)
+    if request.HasField("truncate_prompt_tokens"):
+        ids = ids[-_kept_prompt_tokens(request.truncate_prompt_tokens, max_model_len):]
     if len(ids) >= max_model_len:
         raise InvalidArgument(
             f"the prompt has {len(ids)} tokens, but the model's context length is {max_model_len} and at least "
             f"one token must be generated: shorten the prompt by {len(ids) - max_model_len + 1} tokens",
             kind=CONTEXT_LENGTH_EXCEEDED)
     return ids
+
+
+def _kept_prompt_tokens(truncate: int, max_model_len: int) -> int:
+    if truncate == -1:
+        return max_model_len - 1
+    if not 1 <= truncate < max_model_len:
+        raise InvalidArgument(f"truncate_prompt_tokens must be -1 or from 1 to {max_model_len - 1} (the context "
+                              f"length - 1), got {truncate}", field="truncate_prompt_tokens")
+    return truncate
 
 
 def input_token_ids(request: pb.GenerateRequest, tokenizer: Any, setup: ToolSetup | None = None) -> list[int]:

@@ -182,7 +182,8 @@ async def _prepare(request: pb.GenerateRequest, model: LoadedModel, config: Serv
     source = request.WhichOneof("input")
     limits.check_request(request, config.limits)
     with blame(source):
-        check_prompt_chars(_prompt_chars(request), model.longest_token_chars, model.max_model_len)
+        if not request.HasField("truncate_prompt_tokens"):  # a prompt to be cut may be longer than the context
+            check_prompt_chars(_prompt_chars(request), model.longest_token_chars, model.max_model_len)
     tools = convert.tools(request, model.tokenizer)
     with convert.request_fields():
         params = convert.sampling_params(request, tools)

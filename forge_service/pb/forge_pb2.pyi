@@ -46,7 +46,7 @@ SERVING_STATE_READY: ServingState
 SERVING_STATE_DRAINING: ServingState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "request_id", "text", "chat", "token_ids", "sampling", "stopping", "n", "logprobs", "top_logprobs", "prompt_logprobs", "priority", "json_schema", "json_object", "regex", "choice", "grammar", "tools", "tool_choice", "parallel_tool_calls", "json_schema_strict", "num_speculative_tokens", "prediction")
+    __slots__ = ("model", "request_id", "text", "chat", "token_ids", "sampling", "stopping", "n", "logprobs", "top_logprobs", "prompt_logprobs", "priority", "truncate_prompt_tokens", "json_schema", "json_object", "regex", "choice", "grammar", "tools", "tool_choice", "parallel_tool_calls", "json_schema_strict", "num_speculative_tokens", "prediction")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class GenerateRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +83,7 @@ class GenerateRequest(_message.Message):
     top_logprobs: int
     prompt_logprobs: int
     priority: int
+    truncate_prompt_tokens: int
     json_schema: str
     json_object: bool
     regex: str
@@ -93,7 +95,7 @@ class GenerateRequest(_message.Message):
     json_schema_strict: bool
     num_speculative_tokens: int
     prediction: str
-    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., json_schema_strict: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., prediction: _Optional[str] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., json_schema_strict: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., prediction: _Optional[str] = ...) -> None: ...
 
 class Tool(_message.Message):
     __slots__ = ("name", "description", "parameters", "strict")

@@ -475,3 +475,18 @@ def test_a_priority_on_a_first_come_first_served_server_is_400(forge_server, mod
     response = post(forge_server, "/v1/chat/completions", {"model": model_name, "messages": CHAT, "priority": 1})
     error = assert_openai_error(response, 400, "invalid_request_error", None)
     assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
+
+
+def test_a_prompt_past_the_context_is_cut_to_its_last_tokens(forge_server, openai_client, model_name) -> None:
+    """vLLM's truncate_prompt_tokens: a prompt longer than the context is served on its last 64
+    tokens, the same greedy completion as those tokens sent alone; unset, it is a 400. (-1, the
+    context's worth, is left to the unit test: an 8k-token prefill takes tens of seconds here.)"""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 1000  # about 10k tokens, past 8192
+    params = dict(model=model_name, max_tokens=8, temperature=0)
+    cut = openai_client.completions.create(prompt=prompt, extra_body={"truncate_prompt_tokens": 64}, **params)
+    tokens = post(forge_server, "/tokenize", {"model": model_name, "prompt": prompt}).json()["tokens"]
+    alone = openai_client.completions.create(prompt=tokens[-64:], **params)
+    assert cut.usage.prompt_tokens == 64 and cut.choices[0].text == alone.choices[0].text
+    with pytest.raises(openai.BadRequestError) as error:
+        openai_client.completions.create(prompt=prompt, **params)
+    assert error.value.code == "context_length_exceeded"
