@@ -22,7 +22,7 @@ from opentelemetry.trace import Tracer
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from forge_gateway import balancer, convert, responses, tokens
+from forge_gateway import balancer, convert, responses, streams, tokens
 from forge_gateway.config import GatewayConfig
 from forge_gateway.errors import GatewayError, from_grpc, internal_error, validation_error
 from forge_gateway.metrics import GatewayMetrics, ObservabilityMiddleware, client_interceptors
@@ -205,7 +205,7 @@ async def _chat(request: Request, body: ChatCompletionRequest, config: GatewayCo
     message = convert.chat_request(body, request_id)
     created, timeout = int(time.time()), _timeout(request, config)
     if body.stream:
-        formatter = convert.ChatStream(response_id, created, body.model, body.n, body.logprobs, body.include_usage,
+        formatter = streams.ChatStream(response_id, created, body.model, body.n, body.logprobs, body.include_usage,
                                        echo=body.echoed)
         return await _stream(request, [message], formatter, timeout)
     call = _replicas(request).generate(message, timeout)
@@ -241,7 +241,7 @@ async def _completions(request: Request, body: CompletionRequest, config: Gatewa
     messages = convert.completion_requests(body, request_id)
     created, timeout = int(time.time()), _timeout(request, config)
     if body.stream:
-        formatter = convert.CompletionStream(response_id, created, body.model, body.n, body.logprobs is not None,
+        formatter = streams.CompletionStream(response_id, created, body.model, body.n, body.logprobs is not None,
                                              body.include_usage, echo=body.prompts() if body.echo else None,
                                              prompt_only=body.prompt_only, top_k=body.logprobs or 0)
         return await _stream(request, messages, formatter, timeout)
@@ -330,7 +330,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream(request: Request, messages: list[pb.GenerateRequest], formatter: convert.StreamFormatter,
+async def _stream(request: Request, messages: list[pb.GenerateRequest], formatter: streams.StreamFormatter,
                   timeout: float) -> Response:
     """Start the streams; errors before the first message are HTTP errors, later ones SSE events."""
     calls = [_stub(request).Stream(m, timeout=timeout) for m in messages]
@@ -381,7 +381,7 @@ def _sse_event(payload: dict[str, Any], event: str | None = None) -> str:
 
 
 async def _sse(first: tuple[int, pb.StreamResponse], rest: AsyncIterator[tuple[int, pb.StreamResponse]],
-               formatter: convert.StreamFormatter) -> AsyncIterator[str]:
+               formatter: streams.StreamFormatter) -> AsyncIterator[str]:
     """The stream's chunks, then `[DONE]` (a Responses stream: events named by their type, and no
     `[DONE]`); a failure after the first chunk is one `error` event (OpenAI error JSON) that ends
     the stream without `[DONE]`."""

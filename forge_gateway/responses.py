@@ -259,7 +259,7 @@ def response(resp: pb.GenerateResponse, response_id: str, created: int, req: Res
 
 class ResponsesStream:
     """Stream messages of one chat completion -> the Responses API's events (SSE `event:` named
-    by their type, no `[DONE]`): a convert.StreamFormatter."""
+    by their type, no `[DONE]`): a streams.StreamFormatter."""
 
     named_events = True
     done_marker = False

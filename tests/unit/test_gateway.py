@@ -16,7 +16,7 @@ import openai
 import pytest
 import uvicorn
 
-from forge_gateway import convert
+from forge_gateway import convert, streams
 from forge_gateway.app import create_app
 from forge_gateway.config import GatewayConfig
 from forge_gateway.errors import GatewayError, openai_param
@@ -580,10 +580,10 @@ def test_echo_decodes_a_token_prompt_whole_and_counts_offsets_on_into_the_comple
         assert lp["token_logprobs"] == [None, -1.5, -0.5, -2.0]
         assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {"x": pytest.approx(-0.1), "\ufffd": -1.5}
         assert lp["text_offset"] == [0, 1, 2, 3]
-    stream = convert.CompletionStream("id", 0, "m", 2, False, False, echo=[[97, 195, 169]])
+    stream = streams.CompletionStream("id", 0, "m", 2, False, False, echo=[[97, 195, 169]])
     events = stream.on_message(0, pb.StreamResponse(prompt_logprobs=prompt))
     assert [(e["choices"][0]["index"], e["choices"][0]["text"]) for e in events] == [(0, "a\u00e9"), (1, "a\u00e9")]
-    assert convert.ChatStream("id", 0, "m", 1, False, False).on_message(
+    assert streams.ChatStream("id", 0, "m", 1, False, False).on_message(
         0, pb.StreamResponse(prompt_logprobs=prompt)) == []  # asked for by completions' echo alone
 
 
@@ -591,7 +591,7 @@ def test_echo_without_the_prompt_s_logprobs_is_a_server_error_not_a_completion_m
     answer = pb.GenerateResponse(choices=[pb.Choice(text="!", finish_reason=pb.FINISH_REASON_LENGTH)])
     with pytest.raises(GatewayError) as whole:  # a service older than echo leaves them out
         convert.text_completion([answer], "id", 0, _completion(prompt="a", echo=True))
-    stream = convert.CompletionStream("id", 0, "m", 1, False, False, echo=["a"])
+    stream = streams.CompletionStream("id", 0, "m", 1, False, False, echo=["a"])
     with pytest.raises(GatewayError) as streamed:
         stream.on_message(0, pb.StreamResponse(final=pb.StreamFinal(finish_reason=pb.FINISH_REASON_LENGTH)))
     assert whole.value.status == streamed.value.status == 500
@@ -613,7 +613,7 @@ def test_a_prompt_alone_is_its_echo_with_no_completion_tokens_billed() -> None:
     assert (choice["text"], choice["finish_reason"]) == ("ab", "length")
     assert choice["logprobs"]["token_logprobs"] == [None, -1.0]
     assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (2, 0)
-    stream = convert.CompletionStream("id", 0, "m", 1, False, True, echo=["ab"], prompt_only=True)
+    stream = streams.CompletionStream("id", 0, "m", 1, False, True, echo=["ab"], prompt_only=True)
     events = stream.on_message(0, pb.StreamResponse(prompt_logprobs=prompt))
     events += stream.on_message(0, pb.StreamResponse(chunk=pb.StreamChunk(text="!", token_ids=[5])))
     events += stream.on_message(0, pb.StreamResponse(final=pb.StreamFinal(

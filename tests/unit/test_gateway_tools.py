@@ -6,7 +6,7 @@ import json
 import pydantic
 import pytest
 
-from forge_gateway import convert
+from forge_gateway import convert, streams
 from forge_gateway.models import ChatCompletionRequest
 from forge_service.pb import forge_pb2 as pb
 
@@ -80,7 +80,7 @@ def test_tool_calls_in_a_whole_response() -> None:
 
 
 def test_streamed_tool_call_deltas() -> None:
-    stream = convert.ChatStream("id", 0, "m", 1, False, False)
+    stream = streams.ChatStream("id", 0, "m", 1, False, False)
     deltas = [pb.ToolCallDelta(index=0, id="call_a", name="get_weather"),
               pb.ToolCallDelta(index=0, arguments='{"city": '), pb.ToolCallDelta(index=0, arguments='"Paris"}')]
     chunks = [stream.on_message(0, pb.StreamResponse(chunk=pb.StreamChunk(index=0, tool_calls=[d]))) for d in deltas]
