@@ -174,6 +174,7 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=_INT32)
     bad_words: list[str] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

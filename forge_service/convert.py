@@ -80,6 +80,7 @@ def sampling_params(request: pb.GenerateRequest, setup: ToolSetup | None = None)
         repetition_penalty=_f32(s.repetition_penalty) if s.HasField("repetition_penalty") else 1.0,
         logit_bias={int(k): _f32(v) for k, v in s.logit_bias.items()} or None,
         bad_words=list(s.bad_words) or None,
+        allowed_token_ids=list(s.allowed_token_ids) or None,
         seed=s.seed if s.HasField("seed") else None,
         max_tokens=t.max_tokens if t.HasField("max_tokens") else None,
         min_tokens=t.min_tokens,

@@ -178,6 +178,10 @@ class LLMEngine:
             raise InvalidArgument(f"priority {params.priority} needs the server's priority scheduling "
                                   "(--scheduling-policy priority); this one serves requests in arrival order",
                                   field="priority")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        if params.min_tokens and params.allowed_token_ids and not set(params.allowed_token_ids) - stops:
+            raise InvalidArgument("allowed_token_ids has only stop tokens, which min_tokens holds back: nothing could "
+                                  "be generated", field="allowed_token_ids")
         if params.constraint is not None and set(params.stop_token_ids) - set(self.eos_token_ids):
             raise InvalidArgument("stop_token_ids cannot be combined with structured output: a stop token could "
                                   "cut the output short of its grammar (stop strings end it only where it is complete)",

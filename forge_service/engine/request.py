@@ -27,6 +27,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Words the output may not contain (at most MAX_BAD_WORDS): a step never completes one.
     bad_words: list[str] | None = None
+    # The only tokens the output may have (EOS included only if listed); None: any.
+    allowed_token_ids: list[int] | None = None
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to the context length
     # The first min_tokens tokens are generated whatever comes: no stop token (EOS, stop_token_ids)
@@ -104,6 +106,13 @@ class SamplingParams:
             (not (self.bad_words and self.constraint is not None), "bad_words",
              "bad_words cannot be combined with structured output or tool calls: the grammar decides which tokens "
              "may come"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
+             "allowed_token_ids must list at least one token"),
+            (not (self.allowed_token_ids and self.bad_words), "allowed_token_ids",
+             "allowed_token_ids cannot be combined with bad_words: leave the words' tokens out of the list"),
+            (not (self.allowed_token_ids and self.constraint is not None), "allowed_token_ids",
+             "allowed_token_ids cannot be combined with structured output or tool calls: the grammar decides which "
+             "tokens may come"),
             (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
              f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS, "prompt_logprobs",
@@ -126,10 +135,11 @@ class SamplingParams:
             if not -100.0 <= bias <= 100.0:
                 raise InvalidArgument(f"logit_bias for token {token_id} must be in [-100, 100], got {bias}",
                                       field="logit_bias")
-        for token_id in self.stop_token_ids:
-            if vocab_size is not None and not 0 <= token_id < vocab_size:
-                raise InvalidArgument(f"stop_token_ids entry {token_id} is outside the vocabulary [0, {vocab_size})",
-                                      field="stop_token_ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            bad = next((t for t in getattr(self, name) or [] if vocab_size is not None and not 0 <= t < vocab_size),
+                       None)
+            if bad is not None:
+                raise InvalidArgument(f"{name} entry {bad} is outside the vocabulary [0, {vocab_size})", field=name)
 
 
 @dataclass

@@ -59,6 +59,8 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row -> its generator, for seeded rows that sample
     shared_noise: bool  # some row samples without a generator: one batched draw serves them all
     max_num_logprobs: int | None  # the largest `logprobs` asked for; None when no row asked
+    # Rows with allowed_token_ids: True at the tokens each may sample (bool [N, V]); None: no row.
+    allowed: torch.Tensor | None = None
     # Allowed tokens, set by structured output after build: packed int32 [N, ceil(V / 32)]
     # (bit j of word w allows token 32w + j; forge_service/structured/bitmask.py) or bool [N, V].
     token_bitmask: torch.Tensor | None = None
@@ -89,6 +91,7 @@ class SamplingMetadata:
             repetition=_repetition(rows, vocab_size, device),
             frequency_presence=_frequency_presence(rows, vocab_size, device),
             logit_bias=_logit_bias(rows, vocab_size, device),
+            allowed=_allowed(rows, vocab_size, device),
             generators={i: r.generator for i, r in enumerate(rows)
                         if r.generator is not None and not r.params.greedy},
             shared_noise=any(r.generator is None and not r.params.greedy for r in rows),
@@ -155,3 +158,15 @@ def _logit_bias(rows: list[RowSampling], vocab_size: int, device: torch.device |
         return None
     return SparseLogits(torch.tensor([i for i, _ in biased], device=device),
                         torch.tensor([b for _, b in biased], dtype=torch.float32, device=device))
+
+
+def _allowed(rows: list[RowSampling], vocab_size: int, device: torch.device | str) -> torch.Tensor | None:
+    """True where a row may sample: everywhere for rows without allowed_token_ids."""
+    limited = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids]
+    if not limited:
+        return None
+    mask = torch.ones(len(rows), vocab_size, dtype=torch.bool)
+    for i, ids in limited:
+        mask[i] = False
+        mask[i, ids] = True
+    return mask.to(device)

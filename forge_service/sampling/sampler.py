@@ -52,13 +52,15 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Repetition penalty, frequency and presence penalties, then logit_bias.
+    """allowed_token_ids (-inf elsewhere, which the rest keeps), repetition penalty, frequency and
+    presence penalties, then logit_bias.
 
     logits: [N, V] -> [N, V]; a new tensor when any applies, else `logits` itself.
     """
-    if meta.repetition is None and meta.frequency_presence is None and meta.logit_bias is None:
+    if meta.allowed is None and meta.repetition is None and meta.frequency_presence is None \
+            and meta.logit_bias is None:
         return logits
-    logits = logits.clone()
+    logits = logits.clone() if meta.allowed is None else torch.where(meta.allowed, logits, float("-inf"))
     flat = logits.view(-1)  # [N * V]
     if meta.repetition is not None:
         # HF/vLLM: a seen token's positive logit is divided by the penalty, a negative one multiplied.

@@ -490,3 +490,16 @@ def test_a_prompt_past_the_context_is_cut_to_its_last_tokens(forge_server, opena
     with pytest.raises(openai.BadRequestError) as error:
         openai_client.completions.create(prompt=prompt, **params)
     assert error.value.code == "context_length_exceeded"
+
+
+def test_allowed_token_ids_restrict_the_answer(forge_server, openai_client, model_name) -> None:
+    """vLLM's allowed_token_ids: a one-token answer is one of the listed tokens, sampled or greedy,
+    where the free answer is neither."""
+    prompt = "Question: is the sky green? Answer with one word.\nAnswer:"
+    labels = [post(forge_server, "/tokenize", {"model": model_name, "prompt": w}).json()["tokens"][0]
+              for w in (" Maybe", " Perhaps")]
+    free = openai_client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0)
+    assert free.choices[0].text not in (" Maybe", " Perhaps")
+    limited = openai_client.completions.create(model=model_name, prompt=prompt, max_tokens=1, n=8, temperature=1.0,
+                                               seed=5, extra_body={"allowed_token_ids": labels})
+    assert {c.text for c in limited.choices} <= {" Maybe", " Perhaps"}
