@@ -63,6 +63,20 @@ class _Parent:
     finished: set[str] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class _Limits:
+    """What a request's bad_words and allowed_token_ids become once, for all its completions."""
+
+    bad_words: tuple[tuple[int, ...], ...]
+    allowed: torch.Tensor | None  # distinct ids, long
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, params: SamplingParams) -> _Limits:
+        allowed = params.allowed_token_ids
+        return cls(bad_word_ids(tokenizer, params.bad_words),
+                   None if allowed is None else torch.tensor(sorted(set(allowed)), dtype=torch.long))
+
+
 def _return_freed_memory() -> None:
     """Give the allocator's free memory back to the OS. glibc keeps most freed heap memory (here:
     a model load's dense copies, a few hundred MB) mapped, where it counts as resident."""
@@ -136,8 +150,8 @@ class LLMEngine:
         if bound and self.scheduler.num_waiting + params.n > bound:
             raise QueueFull(f"the waiting queue is full ({self.scheduler.num_waiting} of {bound})")
         label = request_id if label is None else label
-        bad_words = bad_word_ids(self.tokenizer, params.bad_words)
-        children = [self._child(request_id, prompt_token_ids, params, i, label, bad_words) for i in range(params.n)]
+        limits = _Limits.of(self.tokenizer, params)
+        children = [self._child(request_id, prompt_token_ids, params, i, label, limits) for i in range(params.n)]
         taken = next((i for i in [request_id, *(c.request_id for c in children)]
                       if i in self.parents or i in self.processors), None)
         if taken is not None:  # a parent's id and another's completion id must never meet either
@@ -156,14 +170,14 @@ class LLMEngine:
             raise
 
     def _child(self, request_id: str, prompt: list[int], params: SamplingParams, index: int,
-               label: str, bad_words: tuple[tuple[int, ...], ...]) -> Request:
+               label: str, limits: _Limits) -> Request:
         stops = set(params.stop_token_ids)
         if not params.ignore_eos or params.constraint is not None:  # a grammar allows EOS only at its end
             stops.update(self.eos_token_ids)
         return Request(
             request_id=request_id if params.n == 1 else f"{request_id}#{index}",
             prompt_token_ids=list(prompt), sampling_params=params, stop_token_set=frozenset(stops),
-            bad_word_ids=bad_words,
+            bad_word_ids=limits.bad_words, allowed_token_index=limits.allowed,
             max_model_len=self.max_model_len, parent_id=request_id, index=index, label=label,
             seed=None if params.seed is None else params.seed + index,
             # The prompt is the same for every completion: the first computes its logprobs.

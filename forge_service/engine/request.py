@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 from forge_service.errors import InvalidArgument
 
 if TYPE_CHECKING:  # the structured package pulls in torch; requests stay plain Python
+    import torch
+
     from forge_service.structured.constraint import Constraint
 
 
@@ -194,6 +196,8 @@ class Request:
     stop_token_set: frozenset[int] = frozenset()
     # sampling_params.bad_words as token sequences (forge_service/sampling/bad_words.py).
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    # sampling_params.allowed_token_ids, distinct, as a long tensor built once (None: any token).
+    allowed_token_index: torch.Tensor | None = None
     # Hard cap on prompt + output tokens (the model's context length).
     max_model_len: int = 1 << 30
     parent_id: str | None = None

@@ -251,7 +251,8 @@ class ModelRunner:
                 rows.append(RowSampling(params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
                                         output_token_ids=output, generator=_position_generator(
                                             None if req.sampling_params.greedy else req.seed, len(output)),
-                                        seed=req.seed, banned=_banned(req, output)))
+                                        seed=req.seed, banned=_banned(req, output),
+                                        allowed=req.allowed_token_index))
                 request_ids.append(req.request_id)
                 ahead.append(c.draft[:j])
         meta = SamplingMetadata.build(rows, logits.shape[-1], logits.device)

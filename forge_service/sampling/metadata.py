@@ -25,6 +25,8 @@ class RowSampling:
     seed: int | None = None
     # Tokens this row may not sample: its stop tokens while its output is shorter than min_tokens.
     banned: frozenset[int] = frozenset()
+    # The only tokens this row may sample (allowed_token_ids as a long tensor); None: any.
+    allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -162,7 +164,7 @@ def _logit_bias(rows: list[RowSampling], vocab_size: int, device: torch.device |
 
 def _allowed(rows: list[RowSampling], vocab_size: int, device: torch.device | str) -> torch.Tensor | None:
     """True where a row may sample: everywhere for rows without allowed_token_ids."""
-    limited = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids]
+    limited = [(i, r.allowed) for i, r in enumerate(rows) if r.allowed is not None]
     if not limited:
         return None
     mask = torch.ones(len(rows), vocab_size, dtype=torch.bool)

@@ -23,11 +23,11 @@ def test_the_sampler_picks_among_the_allowed_tokens_only():
     logits = torch.zeros(2, 16)
     logits[:, 0] = 10.0
     logits[0, 7] = 1.0
-    rows = [RowSampling(SamplingParams(temperature=0, allowed_token_ids=[3, 7]), [1], []),
+    rows = [RowSampling(SamplingParams(temperature=0), [1], [], allowed=torch.tensor([3, 7])),
             RowSampling(SamplingParams(temperature=0), [1], [])]
     out = Sampler()(logits, SamplingMetadata.build(rows, 16))
     assert out.token_ids.tolist() == [7, 0]
-    sampled = [RowSampling(SamplingParams(temperature=1.0, allowed_token_ids=[3, 7]), [1], [])] * 64
+    sampled = [RowSampling(SamplingParams(temperature=1.0), [1], [], allowed=torch.tensor([3, 7]))] * 64
     tokens = Sampler()(logits[:1].expand(64, 16).contiguous(), SamplingMetadata.build(sampled, 16)).token_ids.tolist()
     assert set(tokens) <= {3, 7} and len(set(tokens)) == 2
 
