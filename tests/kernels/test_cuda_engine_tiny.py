@@ -1,5 +1,6 @@
 """GPU: the engine tests on tiny models (tests/unit/test_engine_tiny.py, test_speculative_engine.py,
-test_prompt_logprobs.py and test_structured_engine.py) on the CUDA backend, on models whose head_dim
+test_prompt_logprobs.py, test_structured_engine.py, and the sampling controls and priority tests:
+test_min_tokens.py, test_bad_words.py, test_allowed_tokens.py, test_priority.py) on the CUDA backend, on models whose head_dim
 (64) the GPU's decode kernel takes: greedy decoding against transformers across chunks, batch against
 solo under preemption, n and seeds, stops, prefix-cache hits (a block's first tokens copied; a
 prompt's last token alone); prompt logprobs over a cached prompt and under preemption; speculation's
@@ -14,14 +15,20 @@ import pytest
 
 from tests.kernels.helpers import engines_on
 from tests.tiny_models import GPU_SIZES, tiny_arch, tiny_tokenizer_json, unigram_weights, write_safetensors_dir
+from tests.unit import test_allowed_tokens as allowed_tests
+from tests.unit import test_bad_words as bad_words_tests
 from tests.unit import test_engine_tiny as tiny_tests
+from tests.unit import test_min_tokens as min_tokens_tests
+from tests.unit import test_priority as priority_tests
 from tests.unit import test_prompt_logprobs as prompt_tests
 from tests.unit import test_speculative_engine as engine_tests
 from tests.unit.test_engine_tiny import CHATML_TEMPLATE, llm, sharp_weights  # noqa: F401 (llm: a fixture)
+from tests.unit.test_min_tokens import engines  # noqa: F401 (a fixture: the tiny model without and with drafts)
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
-on_the_gpu = engines_on(DEVICE, tiny_tests, engine_tests, prompt_tests)  # llm's engine among them
+on_the_gpu = engines_on(DEVICE, tiny_tests, engine_tests, prompt_tests, min_tokens_tests,
+                        priority_tests)  # llm's and engines' engines among them
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +77,19 @@ test_sampled_tokens_follow_the_target_distribution = engine_tests.test_sampled_t
 test_a_draft_through_the_end_of_structured_output_stops_there = \
     engine_tests.test_a_draft_through_the_end_of_structured_output_stops_there
 
+test_no_stop_token_is_sampled_among_the_first_min_tokens = \
+    min_tokens_tests.test_no_stop_token_is_sampled_among_the_first_min_tokens
+test_drafted_runs_keep_min_tokens_and_change_nothing_else = \
+    min_tokens_tests.test_drafted_runs_keep_min_tokens_and_change_nothing_else
+test_stop_strings_are_looked_for_after_the_first_min_tokens = \
+    min_tokens_tests.test_stop_strings_are_looked_for_after_the_first_min_tokens
+test_the_output_never_contains_a_bad_word = bad_words_tests.test_the_output_never_contains_a_bad_word
+test_the_output_has_only_the_allowed_tokens = allowed_tests.test_the_output_has_only_the_allowed_tokens
+test_preempted_low_priority_output_is_unchanged = priority_tests.test_preempted_low_priority_output_is_unchanged
 
-def test_the_engine_tests_build_their_engines_on_the_gpu(tiny_dir, llm):
+
+def test_the_engine_tests_build_their_engines_on_the_gpu(tiny_dir, llm, engines):
     for module in (tiny_tests, engine_tests):
         assert module.LLM(model=str(tiny_dir), dtype="float32").engine.runner.device.type == DEVICE
     assert llm.engine.runner.device.type == DEVICE
+    assert all(e.engine.runner.device.type == DEVICE for e in engines)
