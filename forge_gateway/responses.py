@@ -95,6 +95,7 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     truncation: Literal["disabled"] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    priority: int = Field(0, ge=-(2**31), le=_INT32)  # vLLM's: the rank under priority scheduling
 
     @field_validator("previous_response_id")
     @classmethod
@@ -117,7 +118,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else [])
     messages += _messages(req.input)
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream}
-    for name in ("temperature", "top_p", "parallel_tool_calls", "user", "seed"):
+    for name in ("temperature", "top_p", "parallel_tool_calls", "user", "seed", "priority"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
     if req.max_output_tokens is not None:

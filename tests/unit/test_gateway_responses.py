@@ -61,6 +61,11 @@ def test_text_format_and_a_named_function_map_to_the_chat_fields() -> None:
     assert responses.chat_request(request(text={"format": {"type": "text"}})).response_format is None
 
 
+def test_a_priority_reaches_the_chat_request() -> None:
+    assert responses.chat_request(request(priority=-2)).priority == -2
+    assert responses.chat_request(request()).priority == 0
+
+
 @pytest.mark.parametrize("items, words", [
     ([{"type": "reasoning", "summary": []}], "input items of type 'reasoning' are not supported"),
     ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "'input_image' are not supported"),
