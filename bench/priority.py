@@ -5,8 +5,8 @@ A batch job keeps --batch-streams long streams running (priority 1 under the pri
 interactive chat requests (priority 0) arrive one at a time, --gap-s apart. With more batch streams
 than --max-num-seqs seats, an interactive request under fcfs queues behind the batch; under
 priority it takes a batch stream's seat (that stream is preempted and recomputed later). Reports
-the interactive requests' TTFT and latency and the batch job's tokens per second, per policy, each
-on its own fresh `forge serve`.
+the interactive requests' TTFT and latency and the batch job's tokens per second (its completed
+requests' tokens over the whole run), per policy, each on its own fresh `forge serve`.
 
     python bench/priority.py [--max-num-seqs 8 --batch-streams 16 --interactive 12]
 """
@@ -47,17 +47,17 @@ async def measure(url: str, args: argparse.Namespace, policy: str) -> dict[str, 
                 batch.append(await one_request(client, "/v1/chat/completions",
                                                _body(model, next(numbers), args.batch_tokens, low)))
 
+        started = time.perf_counter()
         streams = [asyncio.create_task(batch_stream()) for _ in range(args.batch_streams)]
         await asyncio.sleep(args.warmup_s)  # the batch fills every seat first
-        started = time.perf_counter()
         interactive = []
         for _ in range(args.interactive):
             interactive.append(await one_request(client, "/v1/chat/completions",
                                                  _body(model, next(numbers), args.interactive_tokens, 0)))
             await asyncio.sleep(args.gap_s)
-        elapsed = time.perf_counter() - started
         stop.set()
-        await asyncio.gather(*streams)
+        await asyncio.gather(*streams)  # each batch stream ends its request in flight
+        elapsed = time.perf_counter() - started
     failed = [s.error for s in interactive + batch if not s.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
@@ -66,7 +66,7 @@ async def measure(url: str, args: argparse.Namespace, policy: str) -> dict[str, 
     return {"policy": policy, "interactive_ttft_p50_ms": round(1000 * median(ttft), 1),
             "interactive_ttft_p90_ms": round(1000 * (percentile(ttft, 0.9) or 0), 1),
             "interactive_latency_p50_ms": round(1000 * median([s.latency_s for s in interactive]), 1),
-            "batch_tok_s": round(sum(s.completion_tokens for s in done) / (elapsed + args.warmup_s), 1)}
+            "batch_tok_s": round(sum(s.completion_tokens for s in done) / elapsed, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
