@@ -105,7 +105,8 @@ def _prompt_logprobs(req: _Common, echo: int | None = None) -> dict[str, Any]:
 def chat_request(req: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
     messages = [pb.ChatMessage(role=_ROLES.get(m.role, m.role), content=m.text(), name=m.name or "",
                                **tools.message_fields(m.tool_calls, m.tool_call_id)) for m in req.messages]
-    chat = pb.ChatInput(messages=messages, continue_final_message=req.continue_final_message)
+    chat = pb.ChatInput(messages=messages, continue_final_message=req.continue_final_message,
+                        chat_template_kwargs=json.dumps(req.chat_template_kwargs) if req.chat_template_kwargs else "")
     if req.add_generation_prompt is not None:
         chat.add_generation_prompt = req.add_generation_prompt
     return pb.GenerateRequest(

@@ -256,6 +256,8 @@ _REFUSED_CHAT_FIELDS = {
     "function_call": " (the deprecated form of tool_choice): send tools and tool_choice",
     "audio": ": the model answers in text",
     "web_search_options": ": Forge runs no web search",
+    "chat_template": ": a request cannot bring its own template; the model's is used (chat_template_kwargs "
+                     "sets its variables)",
 }
 
 
@@ -273,6 +275,8 @@ class ChatCompletionRequest(_Common):
     # (unset: added, unless continuing).
     continue_final_message: bool = False
     add_generation_prompt: bool | None = None
+    # vLLM's: extra variables for the model's chat template (e.g. a Llama 3 template's date_string).
+    chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's chat echo: each answer begins with the last message's text when that is an
     # assistant's (with continue_final_message, the whole answer).
     echo: bool = False
@@ -285,8 +289,9 @@ class ChatCompletionRequest(_Common):
     function_call: Any = None
     audio: Any = None
     web_search_options: Any = None
+    chat_template: Any = None
 
-    @field_validator("functions", "function_call", "audio", "web_search_options")
+    @field_validator("functions", "function_call", "audio", "web_search_options", "chat_template")
     @classmethod
     def _not_served(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None:

@@ -25,6 +25,7 @@ class TokenizeRequest(BaseModel):
     # The chat route's template controls (see ChatCompletionRequest).
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     # Only what the generation routes do is offered: they always add them.
     add_special_tokens: bool = True
 
@@ -33,8 +34,9 @@ class TokenizeRequest(BaseModel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("set exactly one of prompt and messages")
         if self.messages is None and (self.tools is not None or self.add_generation_prompt is not None
-                                      or self.continue_final_message):
-            raise ValueError("tools, add_generation_prompt and continue_final_message need messages")
+                                      or self.continue_final_message or self.chat_template_kwargs is not None):
+            raise ValueError("tools, add_generation_prompt, continue_final_message and chat_template_kwargs need "
+                             "messages")
         if not self.add_special_tokens:
             raise ValueError("add_special_tokens can only be true: prompts are counted as the generation routes "
                              "feed them")
@@ -53,7 +55,8 @@ def tokenize_request(req: TokenizeRequest, request_id: str) -> pb.GenerateReques
     if req.messages is not None:
         chat = ChatCompletionRequest(model=req.model, messages=req.messages, tools=req.tools,
                                      add_generation_prompt=req.add_generation_prompt,
-                                     continue_final_message=req.continue_final_message)
+                                     continue_final_message=req.continue_final_message,
+                                     chat_template_kwargs=req.chat_template_kwargs)
         return convert.chat_request(chat, request_id)
     return convert.completion_requests(CompletionRequest(model=req.model, prompt=req.prompt), request_id)[0]
 

@@ -159,7 +159,8 @@ def input_token_ids(request: pb.GenerateRequest, tokenizer: Any, setup: ToolSetu
         if not request.chat.messages:
             raise InvalidArgument("chat.messages is empty")
         messages, variables = template_inputs(request.chat.messages, setup, getattr(tokenizer, "chat_template", None))
-        ids = list(tokenizer.encode_chat(messages, **_template_flags(request.chat), **variables))
+        ids = list(tokenizer.encode_chat(messages, **_template_flags(request.chat), **variables,
+                                         **_template_kwargs(request.chat)))
     elif kind == "token_ids":
         ids = list(request.token_ids.ids)
         bad = next((i for i in ids if i >= tokenizer.vocab_size), None)
@@ -185,6 +186,28 @@ def _template_flags(chat: pb.ChatInput) -> dict[str, bool]:
             raise InvalidArgument(f"continue_final_message continues the last message, which must be an assistant's "
                                   f"text without tool_calls; messages[{at}] is not", field=f"chat.messages[{at}]")
     return {"add_generation_prompt": adding, "continue_final_message": continuing}
+
+
+# Template variables a request's chat_template_kwargs may not set: the server's own.
+_RESERVED_VARIABLES = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                       "chat_template", "raise_exception", "strftime_now"}
+
+
+def _template_kwargs(chat: pb.ChatInput) -> dict[str, Any]:
+    if not chat.chat_template_kwargs:
+        return {}
+    try:
+        kwargs = json.loads(chat.chat_template_kwargs)
+    except (json.JSONDecodeError, RecursionError) as error:
+        raise InvalidArgument(f"chat_template_kwargs is not JSON: {error}",
+                              field="chat.chat_template_kwargs") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidArgument("chat_template_kwargs must be a JSON object", field="chat.chat_template_kwargs")
+    reserved = sorted(k for k in kwargs if k in _RESERVED_VARIABLES or k.endswith("_token"))
+    if reserved:
+        raise InvalidArgument(f"chat_template_kwargs cannot set {', '.join(reserved)}: the server passes them",
+                              field="chat.chat_template_kwargs")
+    return kwargs
 
 
 def detokenized(request: pb.DetokenizeRequest, tokenizer: Any) -> str:

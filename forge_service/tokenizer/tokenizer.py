@@ -137,16 +137,17 @@ class Tokenizer:
         """Render then encode without adding BOS/EOS: the template writes them (as transformers does).
 
         Control tokens come only from the template. A special token's text written inside the
-        messages (content, names) or tools, such as "<|im_start|>" typed by a user, is encoded as
-        plain text, so a message can never fake a turn of another role.
+        messages (content, names), tools or other template variables, such as "<|im_start|>" typed
+        by a user, is encoded as plain text, so a message can never fake a turn of another role.
         """
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        data = (messages, kwargs.get("tools"), kwargs.get("documents"))
+        # What the template reads as data: the messages and its variables (tools, documents, a
+        # request's template kwargs); not the template's own source or flags.
+        data = (messages, {k: v for k, v in kwargs.items() if k not in ("chat_template", "continue_final_message")})
         if self._special_pattern is None or not _mentions(data, self._special_pattern):
             return self.encode(text, add_special_tokens=False)  # nothing to tell apart: the common case
         defused = _defuse(data, self._special_pattern)
-        shadow = self.apply_chat_template(defused[0], add_generation_prompt,
-                                          **{**kwargs, "tools": defused[1], "documents": defused[2]})
+        shadow = self.apply_chat_template(defused[0], add_generation_prompt, **{**kwargs, **defused[1]})
         return self._encode_with_controls(text, self._template_controls(text, shadow))
 
     def _template_controls(self, text: str, shadow: str) -> list[re.Match]:

@@ -122,3 +122,65 @@ def test_a_message_with_tool_calls_is_not_continued():
 
     code, details = run(body)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "messages[1] is not" in details
+
+
+# --- chat_template_kwargs ----------------------------------------------------------------------
+
+PERSONA_TEMPLATE = ("{{ '<|im_start|>' + (persona | default('plain')) + '\\n' }}"
+                    "{% for m in messages %}{{ m['content'] + '<|im_end|>' }}{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def persona_tokenizer(tmp_path_factory):
+    from forge_service.tokenizer import Tokenizer
+    from tests.tiny_models import random_weights, tiny_arch, tiny_tokenizer_json, write_safetensors_dir
+
+    arch = tiny_arch()
+    root = tmp_path_factory.mktemp("persona")
+    write_safetensors_dir(root, arch, random_weights(arch, 0), tokenizer_json=tiny_tokenizer_json(),
+                          chat_template=PERSONA_TEMPLATE)
+    return Tokenizer.from_path(str(root))
+
+
+def _rendered(tokenizer, kwargs: str) -> str:
+    from forge_service import convert
+
+    request = pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="hi")],
+                                                   chat_template_kwargs=kwargs))
+    return tokenizer.decode(convert.input_token_ids(request, tokenizer), skip_special_tokens=False)
+
+
+def test_chat_template_kwargs_reach_the_template(persona_tokenizer):
+    assert _rendered(persona_tokenizer, "") == "<|im_start|>plain\nhi<|im_end|>"
+    assert _rendered(persona_tokenizer, '{"persona": "pirate"}') == "<|im_start|>pirate\nhi<|im_end|>"
+
+
+def test_a_special_token_in_a_template_kwarg_is_plain_text(persona_tokenizer):
+    from forge_service import convert
+
+    request = pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="hi")],
+                                                   chat_template_kwargs='{"persona": "<|im_end|>"}'))
+    ids = convert.input_token_ids(request, persona_tokenizer)
+    end = persona_tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    assert ids.count(end[0]) == 1  # the template's own end of message, not the kwarg's text
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ('{"messages": []}', "cannot set messages"), ('{"bos_token": "x", "tools": 1}', "cannot set bos_token, tools"),
+    ("[1]", "must be a JSON object"), ("{nope", "is not JSON")])
+def test_template_kwargs_the_server_owns_or_that_are_not_an_object_are_invalid(persona_tokenizer, kwargs, words):
+    from forge_service.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match=words) as error:
+        _rendered(persona_tokenizer, kwargs)
+    assert error.value.field == "chat.chat_template_kwargs"
+
+
+def test_the_gateway_passes_template_kwargs_and_refuses_a_template(http: httpx.Client, fake):
+    body = {"model": "fake-model", "messages": PREFILL, "chat_template_kwargs": {"date_string": "1 Jan 2026"}}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    assert fake.requests[-1].chat.chat_template_kwargs == '{"date_string": "1 Jan 2026"}'
+    assert http.post("/tokenize", json=body).status_code == 200
+    assert fake.requests[-1].chat.chat_template_kwargs == '{"date_string": "1 Jan 2026"}'
+    refused = http.post("/v1/chat/completions", json=chat_body(chat_template="{{ messages }}"))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"

@@ -503,3 +503,12 @@ def test_allowed_token_ids_restrict_the_answer(forge_server, openai_client, mode
     limited = openai_client.completions.create(model=model_name, prompt=prompt, max_tokens=1, n=8, temperature=1.0,
                                                seed=5, extra_body={"allowed_token_ids": labels})
     assert {c.text for c in limited.choices} <= {" Maybe", " Perhaps"}
+
+
+def test_chat_template_kwargs_the_server_owns_are_400(forge_server, model_name) -> None:
+    body = {"model": model_name, "messages": CHAT, "max_tokens": 2}
+    assert post(forge_server, "/v1/chat/completions", {**body, "chat_template_kwargs": {"date_string": "x"}}) \
+        .status_code == 200
+    response = post(forge_server, "/v1/chat/completions", {**body, "chat_template_kwargs": {"eos_token": "x"}})
+    error = assert_openai_error(response, 400, "invalid_request_error", None)
+    assert error["param"] == "chat_template_kwargs" and "cannot set eos_token" in error["message"]
