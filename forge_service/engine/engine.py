@@ -171,18 +171,22 @@ class LLMEngine:
 
     def _child(self, request_id: str, prompt: list[int], params: SamplingParams, index: int,
                label: str, limits: _Limits) -> Request:
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos or params.constraint is not None:  # a grammar allows EOS only at its end
-            stops.update(self.eos_token_ids)
         return Request(
             request_id=request_id if params.n == 1 else f"{request_id}#{index}",
-            prompt_token_ids=list(prompt), sampling_params=params, stop_token_set=frozenset(stops),
+            prompt_token_ids=list(prompt), sampling_params=params, stop_token_set=self._stop_tokens(params),
             bad_word_ids=limits.bad_words, allowed_token_index=limits.allowed,
             max_model_len=self.max_model_len, parent_id=request_id, index=index, label=label,
             seed=None if params.seed is None else params.seed + index,
             # The prompt is the same for every completion: the first computes its logprobs.
             prompt_logprobs={} if params.prompt_logprobs is not None and index == 0 else None,
         )
+
+    def _stop_tokens(self, params: SamplingParams) -> frozenset[int]:
+        """The tokens that end a completion: stop_token_ids, and EOS unless ignored."""
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos or params.constraint is not None:  # a grammar allows EOS only at its end
+            stops.update(self.eos_token_ids)
+        return frozenset(stops)
 
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         """Raise InvalidArgument for bad parameters or a request that cannot fit; thread-safe
@@ -192,8 +196,8 @@ class LLMEngine:
             raise InvalidArgument(f"priority {params.priority} needs the server's priority scheduling "
                                   "(--scheduling-policy priority); this one serves requests in arrival order",
                                   field="priority")
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        if params.min_tokens and params.allowed_token_ids and not set(params.allowed_token_ids) - stops:
+        allowed = set(params.allowed_token_ids or ())
+        if params.min_tokens and allowed and not allowed - self._stop_tokens(params):
             raise InvalidArgument("allowed_token_ids has only stop tokens, which min_tokens holds back: nothing could "
                                   "be generated", field="allowed_token_ids")
         if params.constraint is not None and set(params.stop_token_ids) - set(self.eos_token_ids):
