@@ -63,7 +63,7 @@ def constraint(req: _Common) -> dict[str, Any]:
     if fmt is not None and fmt.type == "json_object":
         return {"json_object": True}
     if fmt is not None and fmt.type == "json_schema":
-        return {"json_schema": json.dumps(fmt.json_schema.schema_), "json_schema_strict": bool(fmt.json_schema.strict)}
+        return _schema_fields(fmt.json_schema.schema_, strict=bool(fmt.json_schema.strict))
     if req.structured_outputs is not None:
         return _structured_outputs(req.structured_outputs)
     if req.guided_json is not None:
