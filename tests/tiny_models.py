@@ -39,14 +39,15 @@ def tiny_arch(**overrides: Any) -> ArchConfig:
 
 
 def random_weights(arch: ArchConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """HF-named float32 weights: N(0, 0.02) matrices, norms near 1 (not exactly, so norm bugs show)."""
+    """HF-named float32 weights: N(0, 0.02) matrices, norms near 1 (not exactly, so norm bugs show),
+    biases N(0, 0.1)."""
     from forge_service.loaders.common import expected_shapes
 
     g = torch.Generator().manual_seed(seed)
     weights = {}
     for name, shape in expected_shapes(arch).items():
         w = torch.randn(shape, generator=g)
-        weights[name] = 1.0 + 0.1 * w if len(shape) == 1 else 0.02 * w
+        weights[name] = 0.1 * w if name.endswith(".bias") else 1.0 + 0.1 * w if len(shape) == 1 else 0.02 * w
     return weights
 
 
@@ -93,9 +94,21 @@ def tiny_tokenizer_json(vocab_size: int = TINY_VOCAB_SIZE) -> str:
 
 # ---- SafeTensors directories ---------------------------------------------------------------
 
+# Hugging Face's name for each architecture Forge serves (ArchConfig.architecture).
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM"}
+
+
+def variant_arch(architecture: str, **overrides: Any) -> ArchConfig:
+    """tiny_arch for one of Forge's architectures, with the flags its loaders set."""
+    from forge_service.models.arch import VARIANTS
+
+    return tiny_arch(architecture=architecture, **VARIANTS[architecture], **overrides)
+
+
 def hf_config(arch: ArchConfig, **overrides: Any) -> dict[str, Any]:
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "architectures": [HF_ARCHITECTURES[arch.architecture]], "model_type": arch.architecture, "hidden_act": "silu",
         "vocab_size": arch.vocab_size, "hidden_size": arch.hidden_size,
         "intermediate_size": arch.intermediate_size, "num_hidden_layers": arch.num_layers,
         "num_attention_heads": arch.num_heads, "num_key_value_heads": arch.num_kv_heads,
@@ -175,12 +188,15 @@ def gguf_tensor_name(hf_name: str) -> str:
 def write_gguf(
     path: str | os.PathLike[str], arch: ArchConfig, weights: Mapping[str, torch.Tensor],
     qtype: str = "F32", vocab: list[str] | None = None, chat_template: str | None = None,
-    tensor_qtypes: Mapping[str, str] | None = None, architecture: str = "llama",
+    tensor_qtypes: Mapping[str, str] | None = None, architecture: str | None = None,
 ) -> Path:
-    """A llama.cpp-style GGUF: Q/K rows permuted, 1-D tensors F32, matrices in `qtype`
-    (per-HF-name overrides in `tensor_qtypes`). A llama3 `arch.rope_scaling` becomes a
-    `rope_freqs.weight` tensor, as convert_hf_to_gguf writes it."""
+    """A llama.cpp-style GGUF: Q/K rows permuted (for "llama"; Qwen's are stored as they are), 1-D
+    tensors F32, matrices in `qtype` (per-HF-name overrides in `tensor_qtypes`). A llama3
+    `arch.rope_scaling` becomes a `rope_freqs.weight` tensor, as convert_hf_to_gguf writes it.
+    `architecture` is general.architecture (arch.architecture unless given)."""
+    architecture = architecture or arch.architecture
     w = gguf.GGUFWriter(str(path), architecture)
+    permute = architecture == "llama"
     _write_arch_metadata(w, arch)
     _write_vocab(w, arch, vocab or tiny_vocab(arch.vocab_size), chat_template)
     tensors = dict(weights)
@@ -190,9 +206,9 @@ def write_gguf(
         tensors.setdefault("model.rope_freq_factors", llama3_rope_factors(arch))
     for name, tensor in tensors.items():
         data = tensor.float().numpy()
-        if name.endswith("q_proj.weight"):
+        if permute and name.endswith("q_proj.weight"):
             data = permute_qk(data, arch.num_heads)
-        elif name.endswith("k_proj.weight"):
+        elif permute and name.endswith("k_proj.weight"):
             data = permute_qk(data, arch.num_kv_heads)
         kind = "F32" if data.ndim == 1 else (tensor_qtypes or {}).get(name, qtype)
         _add_tensor(w, gguf_tensor_name(name), np.ascontiguousarray(data), kind)

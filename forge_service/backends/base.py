@@ -168,6 +168,13 @@ class Backend(Protocol):
         """residual += delta in place (rounded as `residual + delta`), then rms_norm(residual)."""
         ...
 
+    def head_rms_norm(self, qk: torch.Tensor, num_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        """RMSNorm of each head of qk [T, H + Hkv, hd] (the query heads, then the key heads) with
+        q_weight or k_weight [hd] (Qwen3), rms_norm's roundings -> [T, H + Hkv, hd]. qk is the
+        step's fresh projection: a backend may normalise it in place."""
+        ...
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2F] -> silu(gate) * up [T, F]."""
         ...

@@ -51,6 +51,14 @@ class CpuBackend:
         return torch_ref.rms_norm(residual.add_(delta), weight, eps)
 
     @staticmethod
+    def head_rms_norm(qk: torch.Tensor, num_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        if cpu_kernels.head_norm_supported(qk, q_weight) and cpu_kernels.head_norm_supported(qk, k_weight):
+            cpu_kernels.head_rms_norm_(qk, num_heads, q_weight, k_weight, eps)  # in place: the fresh projection
+            return qk
+        return torch_ref.head_rms_norm(qk, num_heads, q_weight, k_weight, eps)
+
+    @staticmethod
     def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         if cpu_kernels.silu_mul_supported(gate_up):
             return cpu_kernels.silu_mul(gate_up)
@@ -109,7 +117,8 @@ class CpuBackend:
         packed = [[getattr(layer, n).packed for n in names] for layer in layers]
         if any(w is None or w.native is None for ws in packed for w in ws):
             return None
-        plan = [cpu_kernels.DecodeLayer(layer.input_norm, layer.post_norm, *((w.native, w.levels) for w in ws))
+        plan = [cpu_kernels.DecodeLayer(layer.input_norm, layer.post_norm, *((w.native, w.levels) for w in ws),
+                                        layer.qkv_bias, layer.q_norm, layer.k_norm)
                 for layer, ws in zip(layers, packed)]
         if not cpu_kernels.DecodePlan.supported(plan, arch.hidden_size, arch.intermediate_size, arch.head_dim):
             return None

@@ -78,6 +78,8 @@ def library() -> ctypes.CDLL | None:
     lib.forge_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, flag]
     lib.forge_silu_mul.argtypes = [ptr, ptr, i64, i64, flag]
     lib.forge_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, flag]
+    lib.forge_add_bias.argtypes = [ptr, i64, i64, i64, ptr, flag]
+    lib.forge_head_rms_norm.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, f32, flag]
     lib.forge_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr, flag]
     lib.forge_prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, flag]
     lib.forge_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, ptr,
@@ -85,7 +87,8 @@ def library() -> ctypes.CDLL | None:
     for name in ("forge_q4_linear", "forge_q8_linear", "forge_decode_attention", "forge_prefill_attention",
                  "forge_decode_layers"):
         getattr(lib, name).restype = ctypes.c_int
-    lib.forge_add_rms_norm.restype = lib.forge_silu_mul.restype = lib.forge_rotary.restype = None
+    for name in ("forge_add_rms_norm", "forge_silu_mul", "forge_rotary", "forge_add_bias", "forge_head_rms_norm"):
+        getattr(lib, name).restype = None
     return lib
 
 
@@ -256,6 +259,20 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
                            torch.get_num_threads())
 
 
+def head_norm_supported(qk: torch.Tensor, weight: torch.Tensor) -> bool:
+    """qk [T, heads, hd] bf16 with whole heads contiguous (rows may be strided); weight [hd] bf16."""
+    return (library() is not None and _bf16(qk, weight) and qk.dim() == 3 and qk.stride(2) == 1
+            and qk.stride(1) == qk.shape[2] and qk.shape[2] % 16 == 0 and weight.is_contiguous())
+
+
+def head_rms_norm_(qk: torch.Tensor, split: int, first: torch.Tensor, rest: torch.Tensor, eps: float) -> None:
+    """RMSNorm each head of qk [T, heads, hd] in place: heads below `split` weighed by `first`
+    [hd], the others by `rest` (HF roundings, as add_rms_norm)."""
+    t, heads, hd = qk.shape
+    library().forge_head_rms_norm(qk.data_ptr(), t, heads, split, hd, qk.stride(0), first.data_ptr(),
+                                  rest.data_ptr(), eps, torch.get_num_threads())
+
+
 def _head_dim_supported(hd: int) -> bool:
     return hd % 32 == 0 and hd <= 256  # ops.c's attention: whole 32-value bf16 loads, MAX_HEAD_DIM
 
@@ -309,7 +326,8 @@ class _Weight(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Weight), ("o", _Weight),
-                ("gate_up", _Weight), ("down", _Weight), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("gate_up", _Weight), ("down", _Weight), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("qkv_bias", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
 
 
 class _Dims(ctypes.Structure):
@@ -329,6 +347,9 @@ class DecodeLayer:
     o: tuple[QuantWeight, int]
     gate_up: tuple[QuantWeight, int]
     down: tuple[QuantWeight, int]
+    qkv_bias: torch.Tensor | None = None  # bf16 [(H + 2 Hkv) hd] (Qwen2)
+    q_norm: torch.Tensor | None = None  # bf16 [hd] each (Qwen3)
+    k_norm: torch.Tensor | None = None
 
 
 class DecodePlan:
@@ -348,6 +369,7 @@ class DecodePlan:
         for row, layer in zip(self.table, layers):
             row.input_norm = layer.input_norm.data_ptr()
             row.post_norm = layer.post_norm.data_ptr()
+            row.qkv_bias, row.q_norm, row.k_norm = _ptr(layer.qkv_bias), _ptr(layer.q_norm), _ptr(layer.k_norm)
             for name in ("qkv", "o", "gate_up", "down"):
                 w, levels = getattr(layer, name)
                 setattr(row, name, _Weight(w.codes.data_ptr(), w.scale.data_ptr(),
@@ -358,8 +380,10 @@ class DecodePlan:
     def supported(layers: list[DecodeLayer], hidden: int, intermediate: int, head_dim: int) -> bool:
         """Whether every kernel of the call takes these shapes (as norm_supported, silu_mul_supported
         and attention_supported say for the per-kernel path)."""
+        extras = [t for layer in layers for t in (layer.qkv_bias, layer.q_norm, layer.k_norm) if t is not None]
         return (library() is not None and hidden % 16 == 0 and intermediate % 16 == 0
-                and _head_dim_supported(head_dim) and all(_bf16(layer.input_norm, layer.post_norm) for layer in layers))
+                and _head_dim_supported(head_dim) and all(_bf16(layer.input_norm, layer.post_norm) for layer in layers)
+                and all(_bf16(t) and t.is_contiguous() for t in extras))
 
     def takes(self, meta, tokens: int) -> bool:
         """Whether this step is one the plan runs: any, given its decode rows' context lengths."""

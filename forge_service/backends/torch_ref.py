@@ -19,6 +19,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(weight.dtype)
 
 
+def head_rms_norm(qk: torch.Tensor, num_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    # qk: [T, H + Hkv, hd] -> each query head normalised with q_weight [hd], each key head with
+    # k_weight (Qwen3's q_norm / k_norm; HF's roundings, as rms_norm)
+    q, k = qk.split([num_heads, qk.shape[1] - num_heads], dim=1)
+    return torch.cat([rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)], dim=1)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)  # [T, F] each
     return F.silu(gate) * up

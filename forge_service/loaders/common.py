@@ -37,7 +37,8 @@ class Checkpoint:
 
 
 def expected_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight a Llama of this shape needs, HF name -> HF shape (out_features, in_features)."""
+    """Every weight a Llama of this shape needs, HF name -> HF shape (out_features, in_features), with
+    the biases and head norms its variant adds."""
     d, f, v = arch.hidden_size, arch.intermediate_size, arch.vocab_size
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
@@ -56,6 +57,11 @@ def expected_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (f, d),
             p + "mlp.down_proj.weight": (d, f),
         }
+        if arch.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+        if arch.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (arch.head_dim,), p + "self_attn.k_norm.weight": (arch.head_dim,)}
     return shapes
 
 

@@ -15,10 +15,13 @@ from forge_service.loaders.common import ROPE_FREQ_FACTORS, Checkpoint, check_ar
 from forge_service.loaders.gguf_file import GGUFFile, Tensor, read_gguf
 from forge_service.loaders.gguf_int4 import INT4_TYPES, int4_weight
 from forge_service.loaders.gguf_int8 import INT8_TYPES, int8_weight
-from forge_service.models.arch import ArchConfig
+from forge_service.models.arch import VARIANTS, ArchConfig
 
-# general.architecture -> model registry key.
-SUPPORTED_ARCHITECTURES = {"llama": "llama"}
+# general.architecture -> model registry key (a Mistral GGUF says "llama").
+SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Whose Q/K rows convert_hf_to_gguf permuted: llama.cpp's Llama rotates adjacent pairs. Qwen's
+# rotary (llama.cpp's NEOX) rotates halves as Hugging Face does, so its rows are stored as they are.
+_PERMUTED_QK = {"llama"}
 
 # llama.cpp tensor names -> Hugging Face names. Per-layer names are under blk.{i}.
 _GLOBAL_NAMES = {
@@ -37,6 +40,11 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",  # Qwen2
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 
 # GGUF `{arch}.rope.scaling.*` keys -> HF rope_scaling keys.
@@ -123,6 +131,7 @@ def arch_from_gguf(path: str, reader: GGUFFile) -> ArchConfig:
         rope_scaling=_rope_scaling(meta, a),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=_eos_ids(meta),
+        **VARIANTS[SUPPORTED_ARCHITECTURES[name]],
     )
 
 
@@ -183,7 +192,7 @@ def _hf_name(path: str, name: str) -> str:
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    raise ModelLoadError(path, f"unexpected tensor {name}: not part of a Llama model")
+    raise ModelLoadError(path, f"unexpected tensor {name}: not part of a model Forge serves")
 
 
 def gguf_name(hf_name: str) -> str:
@@ -212,9 +221,9 @@ def _decode(t: Tensor, name: str, arch: ArchConfig, dtype: torch.dtype) -> torch
     w = DECODERS[t.tensor_type](t)  # [out, in] or [n]
     if name == ROPE_FREQ_FACTORS:
         return w.float().contiguous()
-    if name.endswith("q_proj.weight"):
+    if arch.architecture in _PERMUTED_QK and name.endswith("q_proj.weight"):
         w = unpermute_qk(w, arch.num_heads)
-    elif name.endswith("k_proj.weight"):
+    elif arch.architecture in _PERMUTED_QK and name.endswith("k_proj.weight"):
         w = unpermute_qk(w, arch.num_kv_heads)
     return w.to(dtype).contiguous()
 
@@ -224,6 +233,8 @@ def _codes(read: Callable[[np.ndarray, QType, int, int], Int4Weight | Int8Weight
     """A projection's quantised codes, read by `read`, in HF row order."""
     rows, cols = reversed(t.shape.tolist())
     w = read(t.data, t.tensor_type, rows, cols)
+    if arch.architecture not in _PERMUTED_QK:
+        return w
     if name.endswith("q_proj.weight"):
         return w.rows(unpermute_qk(torch.arange(rows), arch.num_heads))
     if name.endswith("k_proj.weight"):

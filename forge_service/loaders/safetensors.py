@@ -3,6 +3,7 @@ single-file or sharded through model.safetensors.index.json."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -11,15 +12,18 @@ from safetensors import SafetensorError, safe_open
 
 from forge_service.errors import ModelLoadError
 from forge_service.loaders.common import Checkpoint, check_arch, check_tensors
-from forge_service.models.arch import ArchConfig
+from forge_service.models.arch import VARIANTS, ArchConfig
 
 # config.json model_type / architectures entry -> model registry key.
-SUPPORTED_MODEL_TYPES = {"llama": "llama"}
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama"}
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                           "Qwen3ForCausalLM": "qwen3"}
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 # Buffers older transformers versions saved; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+
+log = logging.getLogger(__name__)
 
 
 def load_safetensors(path: str, dtype: torch.dtype) -> Checkpoint:
@@ -39,9 +43,10 @@ def load_safetensors(path: str, dtype: torch.dtype) -> Checkpoint:
 
 
 def arch_from_hf_config(path: str, config: dict[str, Any], generation: dict[str, Any]) -> ArchConfig:
-    """The ArchConfig of a Llama config.json; generation_config.json's eos_token_id wins."""
+    """The ArchConfig of a Llama, Mistral, Qwen2 or Qwen3 config.json; generation_config.json's
+    eos_token_id wins."""
     key = _registry_key(path, config)
-    for flag in ("attention_bias", "mlp_bias"):
+    for flag in ("attention_bias", "mlp_bias"):  # Llama's attention_bias includes o_proj's (Qwen2's biases are its own)
         if config.get(flag):
             raise ModelLoadError(path, f"{flag}=true is not supported")
     if config.get("hidden_act", "silu") != "silu":
@@ -59,12 +64,27 @@ def arch_from_hf_config(path: str, config: dict[str, Any], generation: dict[str,
         head_dim=_int(path, config, "head_dim", hidden // heads),
         rms_norm_eps=_float(path, config, "rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
-        max_position_embeddings=_int(path, config, "max_position_embeddings", 2048),
+        max_position_embeddings=_context(path, config),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=rope_scaling,
         bos_token_id=next(iter(_token_ids(path, config.get("bos_token_id", generation.get("bos_token_id")))), None),
         eos_token_ids=_token_ids(path, generation.get("eos_token_id", config.get("eos_token_id"))),
+        **VARIANTS[key],
     )
+
+
+def _context(path: str, config: dict[str, Any]) -> int:
+    """max_position_embeddings, capped at a sliding attention window where the model uses one
+    (Mistral 7B v0.1's 4,096; Qwen2's with use_sliding_window): within the window every token sees
+    its whole context, so the model is served exactly, on no more context than its window."""
+    length = _int(path, config, "max_position_embeddings", 2048)
+    if config.get("sliding_window") is None or not config.get("use_sliding_window", True):
+        return length
+    window = _int(path, config, "sliding_window")
+    if window < length:
+        log.warning("%s: a sliding attention window of %d tokens; the context is capped there (of %d)",
+                    path, window, length)
+    return min(length, window)
 
 
 def _registry_key(path: str, config: dict[str, Any]) -> str:

@@ -25,3 +25,17 @@ class ArchConfig:
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Qwen2: the q, k and v projections add a bias.
+    qkv_bias: bool = False
+    # Qwen3: each query and key head is RMS-normalised (q_norm / k_norm, [head_dim]) before rotary.
+    qk_norm: bool = False
+
+
+# The architectures Forge serves (the registry's keys), each a Llama decoder plus the ArchConfig
+# flags it sets. Mistral is Llama's layer as it stands (its sliding window is a context limit).
+VARIANTS: dict[str, dict[str, bool]] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+}

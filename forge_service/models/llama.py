@@ -24,6 +24,9 @@ class LlamaLayer:
     post_norm: torch.Tensor  # [D]
     gate_up: Linear  # [2 F, D], fused at load time
     down: Linear  # [D, F]
+    qkv_bias: torch.Tensor | None = None  # [(H + 2 Hkv) * hd] (Qwen2)
+    q_norm: torch.Tensor | None = None  # [hd], each query head's RMSNorm weight (Qwen3)
+    k_norm: torch.Tensor | None = None  # [hd], each key head's
 
 
 class LlamaModel:
@@ -77,6 +80,9 @@ class LlamaModel:
             return Linear(self.backend, fused(names, dense=False), kind.cat(parts) if len(parts) > 1 else parts[0],
                           dense=lambda: fused(names, dense=True))
 
+        bias = None
+        if self.arch.qkv_bias:
+            bias = torch.cat([w[attn + f"{x}_proj.bias"] for x in "qkv"]).contiguous()
         return LlamaLayer(
             input_norm=w[p + "input_layernorm.weight"],
             qkv=linear(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
@@ -84,6 +90,9 @@ class LlamaModel:
             post_norm=w[p + "post_attention_layernorm.weight"],
             gate_up=linear(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
             down=linear(mlp + "down_proj.weight"),
+            qkv_bias=bias,
+            q_norm=w.get(attn + "q_norm.weight"),
+            k_norm=w.get(attn + "k_norm.weight"),
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -127,10 +136,14 @@ class LlamaModel:
                    meta: AttentionMetadata) -> torch.Tensor:
         a = self.arch
         t = h.shape[0]
-        qk, v = layer.qkv(h).split(
-            [(a.num_heads + a.num_kv_heads) * a.head_dim, a.num_kv_heads * a.head_dim], dim=-1)
-        q, k = self.backend.rotary(qk.view(t, a.num_heads + a.num_kv_heads, a.head_dim), a.num_heads,
-                                   rope)  # [T, H, hd], [T, Hkv, hd]
+        qkv = layer.qkv(h)
+        if layer.qkv_bias is not None:
+            qkv += layer.qkv_bias  # in place: the projection's fresh output, rounded as a bf16 sum
+        qk, v = qkv.split([(a.num_heads + a.num_kv_heads) * a.head_dim, a.num_kv_heads * a.head_dim], dim=-1)
+        qk = qk.view(t, a.num_heads + a.num_kv_heads, a.head_dim)
+        if layer.q_norm is not None:
+            qk = self.backend.head_rms_norm(qk, a.num_heads, layer.q_norm, layer.k_norm, a.rms_norm_eps)
+        q, k = self.backend.rotary(qk, a.num_heads, rope)  # [T, H, hd], [T, Hkv, hd]
         v = v.view(t, a.num_kv_heads, a.head_dim)
         self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = self.backend.attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H * hd]

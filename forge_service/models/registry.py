@@ -7,12 +7,10 @@ import torch
 
 from forge_service.backends.base import QuantCodes
 from forge_service.errors import ModelLoadError
-from forge_service.models.arch import ArchConfig
+from forge_service.models.arch import VARIANTS, ArchConfig
 from forge_service.models.llama import LlamaModel
 
-MODELS = {
-    "llama": LlamaModel,
-}
+MODELS = {key: LlamaModel for key in VARIANTS}  # each a Llama decoder; its ArchConfig flags say how it differs
 
 
 def build_model(path: str, arch: ArchConfig, weights: dict[str, torch.Tensor], backend,

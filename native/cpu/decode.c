@@ -7,7 +7,8 @@
  * This file runs the same kernels in the same order, with the same arguments, so its results equal
  * the per-kernel path's bit for bit:
  *
- *   h = norm(x += delta); qkv = h Wqkv; rotate q, k; cache k, v; o = attention(q); delta = o Wo
+ *   h = norm(x += delta); qkv = h Wqkv (+ bias; q, k heads normalised); rotate q, k; cache k, v;
+ *   o = attention(q); delta = o Wo
  *   h = norm(x += delta); delta = (silu(h Wgate) * h Wup) Wdown
  *
  * Attention is decode attention for the step's decode rows and prefill attention for each chunk
@@ -28,6 +29,9 @@ int forge_q8_linear(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, 
 void forge_add_rms_norm(float *residual, const uint16_t *delta, const uint16_t *weight, uint16_t *out, int64_t T,
                         int64_t D, float eps, int threads);
 void forge_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t F, int threads);
+void forge_add_bias(uint16_t *x, int64_t T, int64_t N, int64_t stride, const uint16_t *bias, int threads);
+void forge_head_rms_norm(uint16_t *x, int64_t T, int64_t heads, int64_t split, int64_t hd, int64_t stride,
+                         const uint16_t *first, const uint16_t *rest, float eps, int threads);
 void forge_rotary(uint16_t *x, int64_t T, int64_t heads, int64_t hd, int64_t stride, const uint16_t *cos,
                   const uint16_t *sin, int threads);
 int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -49,6 +53,8 @@ typedef struct {
     const uint16_t *input_norm, *post_norm;  /* bf16 [D] */
     forge_weight qkv, o, gate_up, down;
     uint16_t *k_cache, *v_cache;
+    const uint16_t *qkv_bias;  /* bf16 [Nqkv] (Qwen2), or NULL */
+    const uint16_t *q_norm, *k_norm;  /* bf16 [hd] each (Qwen3), or NULL */
 } forge_layer;
 
 typedef struct {
@@ -100,6 +106,8 @@ int forge_decode_layers(const forge_layer *layers, int64_t count, const forge_di
         const forge_layer *p = layers + l;
         forge_add_rms_norm(x, l > 0 ? delta : NULL, p->input_norm, h, T, D, dims->eps, threads);
         if ((status = project(&p->qkv, h, T, qkv, threads))) break;
+        if (p->qkv_bias) forge_add_bias(qkv, T, Nqkv, Nqkv, p->qkv_bias, threads);
+        if (p->q_norm) forge_head_rms_norm(qkv, T, H + Hkv, H, hd, Nqkv, p->q_norm, p->k_norm, dims->eps, threads);
         forge_rotary(qkv, T, H + Hkv, hd, Nqkv, cos, sin, threads);
         for (int64_t t = 0; t < T; t++) {
             memcpy(p->k_cache + slots[t] * kv, qkv + t * Nqkv + H * hd, sizeof(uint16_t) * (size_t)kv);

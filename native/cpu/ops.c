@@ -109,6 +109,39 @@ void forge_rotary(uint16_t *x, int64_t T, int64_t heads, int64_t hd, int64_t str
     }
 }
 
+/* x[t, :N] += bias for T rows `stride` apart, each sum rounded to bf16 as torch rounds a bf16 sum
+ * (Qwen2's q, k, v biases on the fresh projection). N % 16 == 0. */
+void forge_add_bias(uint16_t *x, int64_t T, int64_t N, int64_t stride, const uint16_t *bias, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (T >= PARALLEL_ROWS)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < N; i += 16)
+            store_bf16(x + t * stride + i, _mm512_add_ps(bf16x16(x + t * stride + i), bf16x16(bias + i)));
+}
+
+/* RMSNorm of each head of hd values in place, rows `stride` apart (Qwen3's q_norm and k_norm):
+ * heads [0, split) weighed by `first`, heads [split, heads) by `rest`, with forge_add_rms_norm's
+ * roundings (normalised in fp32, rounded to bf16, then scaled and rounded). hd % 16 == 0. */
+void forge_head_rms_norm(uint16_t *x, int64_t T, int64_t heads, int64_t split, int64_t hd, int64_t stride,
+                         const uint16_t *first, const uint16_t *rest, float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (T >= PARALLEL_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *v = x + t * stride + h * hd;
+            const uint16_t *weight = h < split ? first : rest;
+            __m512 squares = _mm512_setzero_ps();
+            for (int64_t i = 0; i < hd; i += 16) {
+                const __m512 a = bf16x16(v + i);
+                squares = _mm512_fmadd_ps(a, a, squares);
+            }
+            const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)hd + eps));
+            for (int64_t i = 0; i < hd; i += 16) {
+                const __m512 normed = round_bf16(_mm512_mul_ps(bf16x16(v + i), inv));
+                store_bf16(v + i, _mm512_mul_ps(normed, bf16x16(weight + i)));
+            }
+        }
+    }
+}
+
 #define MAX_HEAD_DIM 256
 #define MAX_PAIRS (MAX_HEAD_DIM / 32)
 

@@ -204,6 +204,33 @@ def test_rotary_in_place_matches_the_torch_rotation() -> None:
     assert torch.equal(qkv[:, 12 * 64:], v_before)  # the values beside it are untouched
 
 
+def test_head_rms_norm_in_place_matches_the_torch_norm_per_head() -> None:
+    from forge_service.backends.torch_ref import head_rms_norm
+
+    g = torch.Generator().manual_seed(3)
+    qkv = (torch.randn(40, 14 * 64, generator=g) * 3).bfloat16()  # 40 rows: the threaded loop too
+    qk = qkv[:, :12 * 64].view(40, 12, 64)  # 8 query heads, 4 key heads, then the values
+    q_weight, k_weight = ((torch.rand(64, generator=g) + 0.5).bfloat16() for _ in range(2))
+    want = head_rms_norm(qk.clone(), 8, q_weight, k_weight, 1e-6)
+    v_before = qkv[:, 12 * 64:].clone()
+    assert cpu_kernels.head_norm_supported(qk, q_weight)
+    cpu_kernels.head_rms_norm_(qk, 8, q_weight, k_weight, 1e-6)
+    assert _bf16_ulps(qk, want) <= 1 and (qk == want).float().mean() > 0.99  # summation order may differ
+    assert torch.equal(qkv[:, 12 * 64:], v_before)
+    # each head its own weight: the key heads' weight on a query head is a different answer
+    wrong = head_rms_norm(qk.clone(), 12, k_weight, k_weight, 1e-6)
+    assert (wrong != want).float().mean() > 0.5
+
+
+def test_add_bias_rounds_as_a_torch_bf16_sum() -> None:
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(40, 96, generator=g) * 4).bfloat16()
+    bias = torch.randn(96, generator=g).bfloat16()
+    want = x + bias
+    cpu_kernels.library().forge_add_bias(x.data_ptr(), 40, 96, 96, bias.data_ptr(), 2)
+    assert torch.equal(x, want)
+
+
 PAGED_BLOCK = 16  # the block size of paged_attention_case's caches
 
 

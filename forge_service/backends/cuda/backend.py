@@ -82,6 +82,10 @@ class CudaBackend:
                      eps: float) -> torch.Tensor:
         return norm.add_rms_norm(self.kernels, residual, delta, weight, eps)
 
+    def head_rms_norm(self, qk: torch.Tensor, num_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        return torch_ref.head_rms_norm(qk, num_heads, q_weight, k_weight, eps)  # torch ops (Qwen3), no kernel yet
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return activation.silu_and_mul(self.kernels, gate_up)
 
