@@ -104,13 +104,15 @@ def _prompt_logprobs(req: _Common, echo: int | None = None) -> dict[str, Any]:
 
 def chat_request(req: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
     messages = [pb.ChatMessage(role=_ROLES.get(m.role, m.role), content=m.text(), name=m.name or "",
+                               reasoning=m.reasoning or m.reasoning_content or "",
                                **tools.message_fields(m.tool_calls, m.tool_call_id)) for m in req.messages]
     chat = pb.ChatInput(messages=messages, continue_final_message=req.continue_final_message,
                         chat_template_kwargs=json.dumps(req.chat_template_kwargs) if req.chat_template_kwargs else "")
     if req.add_generation_prompt is not None:
         chat.add_generation_prompt = req.add_generation_prompt
+    include = {} if req.include_reasoning is None else {"include_reasoning": req.include_reasoning}
     return pb.GenerateRequest(
-        model=req.model, request_id=request_id, chat=chat, n=req.n,
+        model=req.model, request_id=request_id, chat=chat, n=req.n, **include,
         sampling=_sampling(req), stopping=_stopping(req, req.output_limit),
         logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, **constraint(req),
         **tools.request_fields(req.tools, req.tool_choice, req.parallel_tool_calls), **_scheduling(req),
@@ -281,10 +283,17 @@ def chat_completion(resp: pb.GenerateResponse, response_id: str, created: int, m
 
 
 def _message(choice: pb.Choice, echo: str = "") -> dict[str, Any]:
-    if not choice.tool_calls:
-        return {"role": "assistant", "content": echo + choice.text, "refusal": None}
-    return {"role": "assistant", "content": echo + choice.text or None, "refusal": None,
-            "tool_calls": tools.message_tool_calls(choice.tool_calls)}
+    message: dict[str, Any] = {"role": "assistant", "content": echo + choice.text, "refusal": None}
+    if choice.tool_calls:
+        message["content"] = message["content"] or None
+        message["tool_calls"] = tools.message_tool_calls(choice.tool_calls)
+    return message | reasoning(choice.reasoning)
+
+
+def reasoning(text: str) -> dict[str, str]:
+    """A thought's fields in a message or delta: `reasoning` (vLLM's), and `reasoning_content`
+    (DeepSeek's, which many clients read)."""
+    return {"reasoning": text, "reasoning_content": text} if text else {}
 
 
 def text_completion(resps: list[pb.GenerateResponse], response_id: str, created: int,

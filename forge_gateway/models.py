@@ -47,6 +47,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant
     tool_call_id: str | None = None  # tool
+    # assistant: the thought before its content, as Forge (and vLLM, DeepSeek) return it
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -280,6 +283,8 @@ class ChatCompletionRequest(_Common):
     # vLLM's chat echo: each answer begins with the last message's text when that is an
     # assistant's (with continue_final_message, the whole answer).
     echo: bool = False
+    # vLLM's: false leaves a thinking model's thought out of the answer (it is split off either way).
+    include_reasoning: bool | None = None
     # Modalities other than text are refused (the model answers in text alone).
     modalities: list[Literal["text"]] | None = None
 

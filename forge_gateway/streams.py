@@ -96,9 +96,11 @@ class ChatStream(_Stream):
                              "finish_reason": None}]) for i in range(self.n)]
 
     def _delta(self, index: int, chunk: pb.StreamChunk) -> dict[str, Any] | None:
-        if not chunk.text and not chunk.tool_calls and not (self.want_logprobs and chunk.logprobs):
+        if not (chunk.text or chunk.tool_calls or chunk.reasoning or (self.want_logprobs and chunk.logprobs)):
             return None  # tokens held back (a possible stop string, tool-call markup): nothing to show yet
-        delta: dict[str, Any] = {"content": chunk.text} if chunk.text or not chunk.tool_calls else {}
+        shows_content = chunk.text or not (chunk.tool_calls or chunk.reasoning)
+        delta: dict[str, Any] = {"content": chunk.text} if shows_content else {}
+        delta |= convert.reasoning(chunk.reasoning)
         if chunk.tool_calls:
             delta["tool_calls"] = tools.delta_tool_calls(chunk.tool_calls)
         logprobs = convert.chat_logprobs(chunk.logprobs) if self.want_logprobs else None

@@ -77,6 +77,9 @@ SERVICE_FLAGS = [
     ("--max-stop-chars", "max_stop_chars", int, "characters per stop string"),
     ("--max-total-tokens", "max_total_tokens", int, "bound on n x max_tokens"),
     ("--max-logit-bias", "max_logit_bias", int, "entries in logit_bias"),
+    ("--reasoning-parser", "reasoning_parser", str,
+     "auto (default): chat answers of a model whose template knows </think> have their thought split off "
+     "into reasoning; think: always; off: the text as written"),
 ]
 
 

@@ -5,6 +5,8 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
+from forge_service.reasoning import MODES as REASONING_MODES
+
 ENV_PREFIX = "FORGE_"
 
 
@@ -189,8 +191,14 @@ class ServiceConfig:
     metrics_port: int = 9090
     # OTLP/gRPC endpoint for traces; unset: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, else tracing is off.
     otlp_traces_endpoint: str | None = None
+    # Chat completions of thinking models: "auto" splits the thought (<think>...</think>) off into
+    # `reasoning` when the model's chat template knows </think>; "think" always; "off" never.
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser not in REASONING_MODES:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_MODES)}, "
+                             f"got {self.reasoning_parser!r}")
         require_ports(self, "grpc_port", "http_port", "metrics_port")
         require_at_least(self, 0, "drain_timeout_s")
         require_at_least(self, 1, "tokenizer_workers", "max_pending_tokenize")

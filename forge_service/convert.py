@@ -4,8 +4,9 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
+from forge_service import reasoning
 from forge_service.engine.request import SamplingParams
 from forge_service.errors import CONTEXT_LENGTH_EXCEEDED, ForgeError, InvalidArgument, blame
 from forge_service.pb import forge_pb2 as pb
@@ -56,12 +57,23 @@ def tools(request: pb.GenerateRequest, tokenizer: Any) -> ToolSetup | None:
     return tool_setup(request, getattr(tokenizer, "chat_template", None))
 
 
-def output_processor(request: pb.GenerateRequest, request_id: str, setup: ToolSetup | None) -> OutputProcessor:
-    """Tool-call parsing and the after-the-fact schema check for one request's outputs."""
+def output_processor(request: pb.GenerateRequest, request_id: str, setup: ToolSetup | None, tokenizer: Any = None,
+                     prompt: Sequence[int] = (), reasoning_parser: str = "off") -> OutputProcessor:
+    """Reasoning split off (chat input, as `reasoning_parser` and the model's template say),
+    tool-call parsing and the after-the-fact schema check for one request's outputs."""
     schema = None
     if request.WhichOneof("constraint") == "json_schema":
         schema = _json_schema(request)
-    return OutputProcessor(request_id, setup, schema)
+    # A grammar (structured output, or calls required) shapes the whole text: it has no thought.
+    constrained = request.WhichOneof("constraint") is not None or (
+        setup is not None and setup.mode in ("required", "function"))
+    split = request.WhichOneof("input") == "chat" and not constrained and reasoning.parses_reasoning(
+        reasoning_parser, getattr(tokenizer, "chat_template", None))
+    # whether the template opened the thought itself: the prompt's last tokens, special ones kept
+    tail = tokenizer.decode(list(prompt[-16:]), skip_special_tokens=False) if split else ""
+    in_thought = reasoning.prompt_opens_thought(tail)
+    include = not request.HasField("include_reasoning") or request.include_reasoning
+    return OutputProcessor(request_id, setup, schema, reasoning=split, in_thought=in_thought, include_reasoning=include)
 
 
 def sampling_params(request: pb.GenerateRequest, setup: ToolSetup | None = None) -> SamplingParams:
@@ -278,12 +290,12 @@ class StreamEncoder:
             count = self.completion_tokens.get(completion.index, 0) + len(completion.token_ids)
             self.completion_tokens[completion.index] = count
             piece = self.processor.feed(completion.index, completion.text)
-            if piece.text or completion.token_ids or piece.tool_calls:
+            if piece.text or completion.token_ids or piece.tool_calls or piece.reasoning:
                 messages.append(self._chunk(completion.index, piece, completion.token_ids,
                                             position_logprobs(completion.logprobs)))
             if completion.finish_reason is not None:
                 last, calls, reason = self.processor.finish(completion.index, completion.finish_reason)
-                if last.text or last.tool_calls:
+                if last.text or last.tool_calls or last.reasoning:
                     messages.append(self._chunk(completion.index, last, [], []))
                 final = self._final(output, completion, count, reason, calls)
                 messages.append(pb.StreamResponse(request_id=self.request_id, final=final))
@@ -292,7 +304,7 @@ class StreamEncoder:
     def _chunk(self, index: int, piece: Any, token_ids: list[int], logprobs: list[pb.PositionLogprobs]
                ) -> pb.StreamResponse:
         chunk = pb.StreamChunk(index=index, text=piece.text, token_ids=token_ids, logprobs=logprobs,
-                               tool_calls=[_tool_call_delta(d) for d in piece.tool_calls])
+                               tool_calls=[_tool_call_delta(d) for d in piece.tool_calls], reasoning=piece.reasoning)
         return pb.StreamResponse(request_id=self.request_id, chunk=chunk)
 
     def _final(self, output: Any, completion: Any, count: int, reason: str | None, calls: list[Any]
@@ -309,6 +321,7 @@ class StreamEncoder:
 @dataclass
 class _Choice:
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[pb.PositionLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
@@ -338,7 +351,9 @@ class GenerateAccumulator:
             self.prompt_logprobs = prompt_logprobs(output.prompt_logprobs, self.first_prompt_token)
         for completion in output.outputs:
             choice = self.choices.setdefault(completion.index, _Choice())
-            choice.text.append(self.processor.feed(completion.index, completion.text).text)
+            piece = self.processor.feed(completion.index, completion.text)
+            choice.text.append(piece.text)
+            choice.reasoning.append(piece.reasoning)
             choice.token_ids.extend(completion.token_ids)
             choice.logprobs.extend(position_logprobs(completion.logprobs))
             choice.draft_tokens = max(choice.draft_tokens, completion.num_drafted_tokens)
@@ -346,6 +361,7 @@ class GenerateAccumulator:
             if completion.finish_reason is not None:
                 last, calls, reason = self.processor.finish(completion.index, completion.finish_reason)
                 choice.text.append(last.text)
+                choice.reasoning.append(last.reasoning)
                 choice.tool_calls = calls
                 choice.finish_reason, choice.stop_reason = reason, completion.stop_reason
 
@@ -355,7 +371,7 @@ class GenerateAccumulator:
             c = self.choices[index]
             choice = pb.Choice(index=index, text="".join(c.text), token_ids=c.token_ids, logprobs=c.logprobs,
                                finish_reason=FINISH_REASONS.get(c.finish_reason or "", 0),
-                               tool_calls=[_tool_call(t) for t in c.tool_calls])
+                               tool_calls=[_tool_call(t) for t in c.tool_calls], reasoning="".join(c.reasoning))
             _matched_stop(choice, c.stop_reason)
             choices.append(choice)
         usage = pb.Usage(prompt_tokens=self.num_prompt_tokens, cached_tokens=self.num_cached_tokens,

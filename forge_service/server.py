@@ -201,7 +201,8 @@ async def _prepare(request: pb.GenerateRequest, model: LoadedModel, config: Serv
         await model.engine.compile_constraint(params)  # structured output: compiled before it is queued
     request_id = request.request_id or uuid.uuid4().hex
     first = None if params.prompt_logprobs is None else convert.first_prompt_token(model.tokenizer, prompt[0])
-    return _Prepared(request_id, prompt, params, convert.output_processor(request, request_id, tools), first)
+    processor = convert.output_processor(request, request_id, tools, model.tokenizer, prompt, config.reasoning_parser)
+    return _Prepared(request_id, prompt, params, processor, first)
 
 
 def _prompt_chars(request: pb.GenerateRequest) -> int:

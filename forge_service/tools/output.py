@@ -1,8 +1,10 @@
-"""What the servicer does to generated text before it leaves: tool-call parsing and the
-after-the-fact schema check.
+"""What the servicer does to generated text before it leaves: reasoning split off, tool-call
+parsing and the after-the-fact schema check.
 
 One OutputProcessor per request, fed each completion's text deltas in order, for Stream and
-Generate alike. With tools it splits text into content and calls (parser.py); at the end of a
+Generate alike. Splitting reasoning, it takes a thinking model's thought out of the text first
+(reasoning.py), so that calls and the schema check see the answer alone. With tools it splits
+text into content and calls (parser.py); at the end of a
 completion it validates every complete call's arguments against its tool's full schema (a call
 cut short by max_tokens is not checked, as a json_schema output cut short is not), and a
 json_schema output against its schema, logging violations (the grammar may have approximated
@@ -16,6 +18,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from forge_service.reasoning import ReasoningSplitter
 from forge_service.structured.schema import OutputValidator
 from forge_service.tools.parser import ParsedCall, ToolCallDelta, ToolCallParser
 from forge_service.tools.setup import ToolSetup
@@ -37,12 +40,20 @@ class Piece:
 
     text: str
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    reasoning: str = ""
 
 
 class OutputProcessor:
     def __init__(self, request_id: str, tools: ToolSetup | None, json_schema: Any | None = None,
-                 on_validated: ValidationHook | None = None) -> None:
+                 on_validated: ValidationHook | None = None, reasoning: bool = False, in_thought: bool = False,
+                 include_reasoning: bool = True) -> None:
+        """`reasoning`: split thoughts off; `in_thought`: the prompt left one open; without
+        `include_reasoning` they are split off and dropped."""
         self.request_id = request_id
+        self._reasoning = reasoning
+        self._in_thought = in_thought
+        self._include_reasoning = include_reasoning
+        self._splitters: dict[int, ReasoningSplitter] = {}
         self._tools = tools if tools is not None and tools.calls_allowed else None
         self._schema = OutputValidator(json_schema) if json_schema is not None else None
         self._tool_validators: dict[str, OutputValidator] = {}
@@ -55,20 +66,23 @@ class OutputProcessor:
         return self._tools is not None
 
     def feed(self, index: int, text: str) -> Piece:
-        if self._schema is not None:
-            self._texts.setdefault(index, []).append(text)
-        if self._tools is None:
-            return Piece(text)
-        content, deltas = self._parser(index).feed(text)
-        return Piece(content, deltas)
+        reasoning = ""
+        if self._reasoning:
+            reasoning, text = self._splitter(index).feed(text)
+        return self._answer(index, text, reasoning)
 
     def finish(self, index: int, finish_reason: str | None) -> tuple[Piece, list[ParsedCall], str | None]:
         """The last piece, the completion's calls, and its finish reason ("tool_calls" when it
         called tools and stopped)."""
         piece, calls = Piece(""), []
+        if self._reasoning:
+            reasoning, text = self._splitter(index).finish()
+            del self._splitters[index]
+            piece = self._answer(index, text, reasoning)
         if self._tools is not None:
             parser = self._parser(index)
-            piece = Piece(*parser.finish())
+            content, deltas = parser.finish()
+            piece = Piece(piece.text + content, piece.tool_calls + deltas, piece.reasoning)
             calls = parser.calls
             self._check_calls(calls)
             if calls and finish_reason == "stop":
@@ -76,6 +90,22 @@ class OutputProcessor:
         if self._schema is not None and finish_reason == "stop":
             self._check("json_schema", self._schema, "".join(self._texts.pop(index, [])))
         return piece, calls, finish_reason
+
+    def _answer(self, index: int, text: str, reasoning: str) -> Piece:
+        # the answer's text through tool-call parsing, beside the thought's
+        if not self._include_reasoning:
+            reasoning = ""
+        if self._schema is not None:
+            self._texts.setdefault(index, []).append(text)
+        if self._tools is None:
+            return Piece(text, reasoning=reasoning)
+        content, deltas = self._parser(index).feed(text)
+        return Piece(content, deltas, reasoning)
+
+    def _splitter(self, index: int) -> ReasoningSplitter:
+        if index not in self._splitters:
+            self._splitters[index] = ReasoningSplitter(self._in_thought)
+        return self._splitters[index]
 
     def _parser(self, index: int) -> ToolCallParser:
         if index not in self._parsers:

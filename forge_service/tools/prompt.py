@@ -36,6 +36,10 @@ def _message(i: int, m: pb.ChatMessage, native: bool, fmt: ToolCallFormat, names
     out: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.name:
         out["name"] = m.name
+    if m.reasoning:
+        if m.role != "assistant":
+            raise InvalidArgument(f"messages[{i}]: only assistant messages carry reasoning, not {m.role!r}")
+        out["reasoning_content"] = m.reasoning  # the name thinking models' templates read
     if m.tool_calls:
         if m.role != "assistant":
             raise InvalidArgument(f"messages[{i}]: only assistant messages carry tool_calls, not {m.role!r}")

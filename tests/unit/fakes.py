@@ -47,7 +47,7 @@ class FakeTokenizer:
             text = text[:-len(f"</{messages[-1]['role']}>")]
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode(errors="replace")
 
     def id_to_token(self, token_id: int) -> str:

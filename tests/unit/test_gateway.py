@@ -103,6 +103,12 @@ class FakeForge(pb_grpc.ForgeServicer):
         else:
             message.finish_reason = pb.FINISH_REASON_LENGTH
 
+    @staticmethod
+    def _thought(prompt: str, i: int) -> str:
+        """A prompt beginning "think" gets a thought before each answer, as a service splitting
+        reasoning returns it."""
+        return f"thought {i} about {prompt}" if prompt.startswith("think") else ""
+
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
         prompt = self._admit(request, context)
         if prompt == "slow":
@@ -112,7 +118,7 @@ class FakeForge(pb_grpc.ForgeServicer):
         for i in range(request.n or 1):
             text = f"echo {prompt} {i}"
             choice = response.choices.add(index=i, text=text, token_ids=text.encode(),
-                                          logprobs=self._positions(request, text))
+                                          logprobs=self._positions(request, text), reasoning=self._thought(prompt, i))
             self._finish(request, choice)
             response.usage.completion_tokens += len(text)
         response.usage.prompt_tokens, response.usage.cached_tokens = len(prompt), 2
@@ -123,6 +129,10 @@ class FakeForge(pb_grpc.ForgeServicer):
         prompt = self._admit(request, context)
         for i in range(request.n or 1):
             text = f"echo {prompt} {i}"
+            thought = self._thought(prompt, i)
+            for at in range(0, len(thought), 4):  # the thought first, in its own chunks
+                chunk = pb.StreamChunk(index=i, reasoning=thought[at:at + 4], token_ids=thought[at:at + 4].encode())
+                yield pb.StreamResponse(request_id=request.request_id, chunk=chunk)
             for at in range(0, len(text), 3):
                 piece = text[at:at + 3]
                 chunk = pb.StreamChunk(index=i, text=piece, token_ids=piece.encode(),

@@ -35,11 +35,11 @@ class Harness:
 
 
 def run(body: Callable[[Harness], Awaitable[Any]], fake: FakeEngine | None = None, max_waiting: int = 0,
-        load: bool = True, factory: Callable[[], Any] | None = None) -> Any:
+        load: bool = True, factory: Callable[[], Any] | None = None, config: ServiceConfig = CONFIG) -> Any:
     fake = fake or FakeEngine()
 
     async def main() -> Any:
-        service = ForgeService(CONFIG, factory or (lambda: fake), max_waiting=max_waiting)
+        service = ForgeService(config, factory or (lambda: fake), max_waiting=max_waiting)
         port = await service.start()
         if load:
             await service.load()
