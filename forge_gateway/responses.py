@@ -3,9 +3,11 @@
 A request becomes the chat request it means: `input` items become messages (a function_call item
 an assistant message's tool call, a function_call_output item a tool message), `instructions` a
 system message first, `text.format` the response_format, function tools the tools. The chat
-answer becomes a Response: a message item with its output_text, then a function_call item per
+answer becomes a Response: a reasoning item with a thinking model's thought (see
+forge_service/reasoning.py), a message item with its output_text, then a function_call item per
 call; streaming, the Responses events (response.created, output_item.added,
-output_text.delta, function_call_arguments.delta, ..., response.completed). Forge keeps no
+reasoning_text.delta, output_text.delta, function_call_arguments.delta, ..., response.completed).
+A reasoning input item goes with the assistant message or call after it. Forge keeps no
 responses, so `previous_response_id` and `background` are refused: send the conversation as
 `input`. Only function tools and text input exist here.
 """
@@ -144,8 +146,11 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
+    thought: tuple[int, str] | None = None  # a reasoning item's (index, text), for its turn's assistant message
     for i, item in enumerate(items):
         kind = item.get("type", "message")
+        if thought is not None and not (kind == "function_call" or item.get("role") == "assistant"):
+            raise _bad(thought[0], "a reasoning item comes just before its turn's assistant message or function call")
         if kind == "message":
             if item.get("role") not in _ROLES:
                 raise _bad(i, f"a message's role is one of {', '.join(_ROLES)}, not {item.get('role')!r}")
@@ -154,17 +159,33 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             call = {"id": _string(item, "call_id", i), "type": "function",
                     "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":  # the turn's text or calls before it: one turn
-                last.setdefault("tool_calls", []).append(call)
+            if thought is None and last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)  # the turn's text or calls before it: one turn
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
                              "content": _text(item.get("output"), i)})
+        elif kind == "reasoning":
+            thought = (i, _reasoning_text(item, i))
+            continue
         else:
-            raise _bad(i, f"input items of type {kind!r} are not supported; only message, function_call "
-                          f"and function_call_output")
+            raise _bad(i, f"input items of type {kind!r} are not supported; only message, function_call, "
+                          f"function_call_output and reasoning")
+        if thought is not None:
+            messages[-1]["reasoning"] = thought[1]
+            thought = None
+    if thought is not None:
+        raise _bad(thought[0], "a reasoning item comes just before its turn's assistant message or function call")
     return messages
+
+
+def _reasoning_text(item: dict[str, Any], i: int) -> str:
+    """A reasoning item's thought: its reasoning_text content, else its summary's text."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise _bad(i, "a reasoning item's content is a list of reasoning_text parts")
+    return "".join(p["text"] for p in parts)
 
 
 def _text(content: Any, i: int) -> str:
@@ -238,6 +259,11 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [], "content": content}
+
+
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {"id": item_id, "type": "function_call", "status": status, "call_id": call_id, "name": name,
             "arguments": arguments}
@@ -251,7 +277,8 @@ def response(resp: pb.GenerateResponse, response_id: str, created: int, req: Res
     """The Response object for a whole (non-streamed) chat answer."""
     choice = resp.choices[0]
     status, incomplete = _status(choice)
-    output = [_message_item(_item_id("msg"), choice.text, "completed")] if choice.text or not choice.tool_calls else []
+    output = [_reasoning_item(_item_id("rs"), choice.reasoning, "completed")] if choice.reasoning else []
+    output += [_message_item(_item_id("msg"), choice.text, "completed")] if choice.text or not choice.tool_calls else []
     output += [_call_item(_item_id("fc"), c.id, c.name, c.arguments, "completed") for c in choice.tool_calls]
     return {"id": response_id, "object": "response", "created_at": created, "status": status, "error": None,
             "incomplete_details": incomplete, "model": resp.model or req.model, "output": output, **_echo(req),
@@ -293,8 +320,16 @@ class ResponsesStream:
             self.status = _status(final)
             self.final_usage = _usage(final.usage)
             # An empty answer is an empty message, as a whole response has it.
-            return (self._open_message() if not self.output and self.open is None else []) + self._close()
+            answered = any(item["type"] != "reasoning" for item in self.output) or (
+                self.open is not None and self.open["type"] != "reasoning")
+            return self._close() + (self._open_message() if not answered else []) + self._close()
         events: list[dict[str, Any]] = []
+        if message.chunk.reasoning:
+            if self.open is None or self.open["type"] != "reasoning":
+                events += self._close() + self._open(_reasoning_item(_item_id("rs"), "", "in_progress"))
+            self.text += message.chunk.reasoning
+            events.append(self._event("reasoning_text.delta", item_id=self.open["id"], output_index=len(self.output),
+                                      content_index=0, delta=message.chunk.reasoning))
         if message.chunk.text:
             if self.open is None or self.open["type"] != "message":
                 events += self._close() + self._open_message()
@@ -335,6 +370,10 @@ class ResponsesStream:
             events = [self._event("output_text.done", item_id=item["id"], output_index=at, content_index=0,
                                   text=self.text, logprobs=[]),
                       self._event("content_part.done", item_id=item["id"], output_index=at, content_index=0, part=part)]
+        elif item["type"] == "reasoning":
+            done = _reasoning_item(item["id"], self.text, "completed")
+            events = [self._event("reasoning_text.done", item_id=item["id"], output_index=at, content_index=0,
+                                  text=self.text)]
         else:
             done = {**item, "status": "completed"}
             events = [self._event("function_call_arguments.done", item_id=item["id"], output_index=at,

@@ -67,7 +67,11 @@ def test_a_priority_reaches_the_chat_request() -> None:
 
 
 @pytest.mark.parametrize("items, words", [
-    ([{"type": "reasoning", "summary": []}], "input items of type 'reasoning' are not supported"),
+    ([{"type": "reasoning", "summary": []}], "a reasoning item comes just before its turn's assistant message"),
+    ([{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "t"}]}, {"role": "user", "content": "q"}],
+     "a reasoning item comes just before its turn's assistant message"),
+    ([{"type": "reasoning", "content": "t"}], "a reasoning item's content is a list of reasoning_text parts"),
+    ([{"type": "web_search_call"}], "input items of type 'web_search_call' are not supported"),
     ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "'input_image' are not supported"),
     ([{"type": "function_call", "name": "f", "arguments": "{}"}], "needs a string call_id"),
 ])
@@ -75,6 +79,48 @@ def test_input_it_cannot_hold_is_a_400_naming_the_item(items: list, words: str) 
     with pytest.raises(GatewayError) as error:
         responses.chat_request(request(input=items))
     assert error.value.status == 400 and words in error.value.message and error.value.param == "input[0]"
+
+
+def test_a_reasoning_item_goes_with_the_assistant_message_or_call_after_it() -> None:
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "Look it "}, {"type": "reasoning_text", "text": "up."}]}
+    items = [{"role": "user", "content": "Weather?"}, thought,
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "21 C"},
+             {"role": "assistant", "content": "Before"},
+             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Say it."}]},
+             {"role": "assistant", "content": "Warm."}]
+    chat = responses.chat_request(request(input=items, tools=[WEATHER]))
+    assert [(m.role, m.text(), m.reasoning, len(m.tool_calls or [])) for m in chat.messages] == [
+        ("user", "Weather?", None, 0), ("assistant", "", "Look it up.", 1), ("tool", "21 C", None, 0),
+        ("assistant", "Before", None, 0), ("assistant", "Warm.", "Say it.", 0)]
+
+
+def test_a_thought_becomes_a_reasoning_item_first_whole_and_streamed() -> None:
+    answer = pb.GenerateResponse(choices=[pb.Choice(text="Four.", reasoning="Two and two.",
+                                                    finish_reason=pb.FINISH_REASON_STOP)])
+    thought, message = responses.response(answer, "r", 0, request())["output"]
+    assert thought["type"] == "reasoning" and thought["id"].startswith("rs_")
+    assert thought["content"] == [{"type": "reasoning_text", "text": "Two and two."}] and thought["summary"] == []
+    assert message["content"][0]["text"] == "Four."
+    chunks = [pb.StreamChunk(reasoning="Two and "), pb.StreamChunk(reasoning="two."), pb.StreamChunk(text="Four.")]
+    events = stream_events([pb.StreamResponse(chunk=c) for c in chunks]
+                           + [pb.StreamResponse(final=pb.StreamFinal(finish_reason=pb.FINISH_REASON_STOP))])
+    assert [e["type"].removeprefix("response.") for e in events] == [
+        "created", "in_progress", "output_item.added", "reasoning_text.delta", "reasoning_text.delta",
+        "reasoning_text.done", "output_item.done", "output_item.added", "content_part.added", "output_text.delta",
+        "output_text.done", "content_part.done", "output_item.done", "completed"]
+    assert events[5]["text"] == "Two and two." and events[3]["output_index"] == 0 and events[9]["output_index"] == 1
+    done = events[-1]["response"]["output"]
+    assert [(i["type"], i["content"][0]["text"]) for i in done] == [("reasoning", "Two and two."), ("message", "Four.")]
+    # a thought cut short by max_output_tokens: the thought, then an empty message, as a whole response has it
+    cut = stream_events([pb.StreamResponse(chunk=chunks[0]),
+                         pb.StreamResponse(final=pb.StreamFinal(finish_reason=pb.FINISH_REASON_LENGTH))])
+    whole = responses.response(pb.GenerateResponse(choices=[pb.Choice(reasoning="Two and ",
+                                                                      finish_reason=pb.FINISH_REASON_LENGTH)]),
+                               "r", 0, request())
+    assert [(i["type"], i["content"][0]["text"]) for i in cut[-1]["response"]["output"]] == [
+        ("reasoning", "Two and "), ("message", "")] == [(i["type"], i["content"][0]["text"]) for i in whole["output"]]
 
 
 def test_a_whole_answer_becomes_a_response() -> None:
@@ -166,6 +212,15 @@ def test_the_openai_client_streams_a_response(client: openai.OpenAI, fake: FakeF
     assert "".join(deltas) == "echo hello 0" and len(deltas) == 4  # the fake's 3-character chunks
     assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
     assert events[-1].response.output_text == "echo hello 0"
+
+
+def test_the_openai_client_reads_the_reasoning_item(client: openai.OpenAI, fake: FakeForge) -> None:
+    out = client.responses.create(model="fake-model", input="think first")
+    assert out.output[0].type == "reasoning" and out.output[0].content[0].text == "thought 0 about think first"
+    assert out.output_text == "echo think first 0"
+    events = list(client.responses.create(model="fake-model", input="think first", stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
+        "thought 0 about think first"
 
 
 def test_the_stream_names_its_events_and_has_no_done_marker(http: httpx.Client, fake: FakeForge) -> None:
