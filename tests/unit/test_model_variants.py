@@ -53,10 +53,16 @@ def _ours(llm: LLM, ids: list[int], n: int) -> tuple[list[int], list[float]]:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fp32_greedy_decode_equals_transformers(tmp_path: Path, variant: str) -> None:
-    arch = variant_arch(variant)
+    greedy_decode_equals_transformers(tmp_path, variant)
+
+
+def greedy_decode_equals_transformers(tmp_path: Path, variant: str, device: str = "cpu", **sizes: int) -> None:
+    """fp32 greedy tokens and logprobs on `device` against transformers' (the GPU tests reuse it)."""
+    arch = variant_arch(variant, **sizes)
     write_safetensors_dir(tmp_path, arch, _weights(arch), tokenizer_json=tiny_tokenizer_json())
     assert load_checkpoint(str(tmp_path)).arch == arch
-    llm = LLM(model=str(tmp_path), dtype="float32", max_num_batched_tokens=16)  # four prefill chunks
+    llm = LLM(model=str(tmp_path), dtype="float32", device=device, max_num_batched_tokens=16)  # 4 prefill chunks
+    assert llm.engine.runner.device.type == device
     tokens, logprobs = _ours(llm, PROMPT, 12)
     want_tokens, want_logprobs = _hf_steps(tmp_path, PROMPT, 12)
     assert tokens == want_tokens
