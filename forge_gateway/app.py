@@ -22,7 +22,7 @@ from opentelemetry.trace import Tracer
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from forge_gateway import balancer, convert, responses, streams, tokens
+from forge_gateway import balancer, convert, embeddings, responses, streams, tokens
 from forge_gateway.config import GatewayConfig
 from forge_gateway.errors import GatewayError, from_grpc, internal_error, validation_error
 from forge_gateway.metrics import GatewayMetrics, ObservabilityMiddleware, client_interceptors
@@ -119,6 +119,11 @@ def _add_routes(app: FastAPI, config: GatewayConfig) -> None:
     @app.post("/v1/responses")
     async def create_response(body: responses.ResponsesRequest, request: Request) -> Response:
         return await _guard(_responses(request, body, config))
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: embeddings.EmbeddingRequest, request: Request) -> Response:
+        check_unknown_fields(body, config.max_unknown_field_bytes)
+        return await _guard(_embeddings(request, body, config))
 
     @app.post("/tokenize")
     async def tokenize(body: tokens.TokenizeRequest, request: Request) -> Response:
@@ -248,6 +253,19 @@ async def _completions(request: Request, body: CompletionRequest, config: Gatewa
     calls = [_replicas(request).generate(m, timeout) for m in messages]
     responses = await _unless_disconnected(request, asyncio.gather(*(_answer(request, c) for c in calls)), _canceller(calls))
     return JSONResponse(convert.text_completion(responses, response_id, created, body))
+
+
+async def _embeddings(request: Request, body: embeddings.EmbeddingRequest, config: GatewayConfig) -> Response:
+    message = embeddings.embed_request(body, _ids(request, "embd")[0])
+    call = _stub(request).Embed(message, timeout=_timeout(request, config))
+    try:
+        answer = await _unless_disconnected(request, call, call.cancel)
+    except grpc.aio.AioRpcError as error:
+        mapped = from_grpc(error)
+        if mapped.param and mapped.param.startswith("inputs"):  # the service's name for `input`
+            mapped.param = "input" + mapped.param[len("inputs"):]
+        raise mapped from None
+    return JSONResponse(embeddings.response(answer, body))
 
 
 async def _tokenize(request: Request, body: tokens.TokenizeRequest) -> Response:

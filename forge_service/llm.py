@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model).generate(prompts, params)` and `LLM.chat(conversations, params)`."""
+"""The offline API: `LLM(model).generate(prompts, params)`, `LLM.chat(conversations, params)` and
+`LLM.embed(prompts)`."""
 from __future__ import annotations
 
 import uuid
@@ -62,6 +63,16 @@ class LLM:
         texts = [self.tokenizer.apply_chat_template(c, **flags) for c in conversations]
         ids = [self.tokenizer.encode_chat(c, **flags) for c in conversations]
         return self._run(ids, texts, sampling_params)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], dimensions: int | None = None,
+              normalize: bool = True) -> list[list[float]]:
+        """Each prompt's embedding: its last token's final hidden state (see embeddings.py), its
+        first `dimensions` values, unit length with `normalize`."""
+        from forge_service import embeddings
+
+        embeddings.check_dimensions(dimensions, self.engine.arch.hidden_size)
+        outputs = self.generate(prompts, embeddings.embed_params())
+        return [embeddings.pooled(o.outputs[0].embedding, dimensions, normalize) for o in outputs]
 
     def _run(self, prompts: list[list[int]], texts: list[str | None],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:

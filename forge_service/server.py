@@ -20,12 +20,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import Tracer
 
-from forge_service import auth, convert, limits
+from forge_service import auth, convert, embeddings, limits
 from forge_service.admission import TokenizerPool, check_prompt_chars, longest_token_chars
 from forge_service.config import EngineConfig, ServiceConfig, malloc_arenas
 from forge_service.engine.async_engine import AsyncEngine, SyncEngine
-from forge_service.errors import ForgeError, ModelNotFound, QueueFull, StartupError, Unavailable, blame, \
-    bounded_details, error_metadata, excerpt, grpc_status
+from forge_service.errors import ForgeError, InvalidArgument, ModelNotFound, QueueFull, StartupError, Unavailable, \
+    blame, bounded_details, error_metadata, excerpt, grpc_status
 from forge_service.metrics import ServiceMetrics, metrics_endpoint
 from forge_service.rpc_observer import RpcRecord, observe_rpc
 from forge_service.tracing import MonotonicClock, traced
@@ -51,6 +51,9 @@ _SERVER_OPTIONS = [
 # Response header of every admitted generation RPC. Sent at admission, it also commits the call:
 # a client's retry policy retries UNAVAILABLE only for calls that never reached a replica.
 REPLICA_HEADER = "forge-replica"
+# Inputs of one Embed call in the engine at once: a large batch neither fills the engine's waiting
+# queue (--max-waiting) nor holds back the requests that come after it.
+EMBED_IN_FLIGHT = 32
 
 
 class Phase(enum.Enum):
@@ -69,6 +72,7 @@ class LoadedModel:
     max_model_len: int
     created: int
     longest_token_chars: int | None = None  # for the length check before tokenizing
+    hidden_size: int | None = None  # an embedding's length
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,29 @@ class ForgeServicer(pb_grpc.ForgeServicer):
                         rpc.output(output)
                         for message in encoder.messages(output):
                             await context.write(message)
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        with self._service.observe("Embed", request, context) as rpc:
+            async with self._rpc(context) as model:
+                prompts = await self._service.embed_prompts(request, model)
+                rpc.prepared(model.name, [t for p in prompts for t in p], embeddings.embed_params())
+                limit = asyncio.Semaphore(EMBED_IN_FLIGHT)
+                try:
+                    async with asyncio.TaskGroup() as group:  # one input failing cancels the others
+                        tasks = [group.create_task(_embedding(model, prompt, request.request_id, limit))
+                                 for prompt in prompts]
+                except BaseExceptionGroup as failed:  # the first failure, as a lone error is answered
+                    raise failed.exceptions[0] from None
+                dimensions = request.dimensions if request.HasField("dimensions") else None
+                normalize = not request.HasField("normalize") or request.normalize
+                response = pb.EmbedResponse(request_id=request.request_id, model=model.name)
+                for prompt, task in zip(prompts, tasks):
+                    hidden, cached = task.result()
+                    response.embeddings.add(values=embeddings.pooled(hidden, dimensions, normalize),
+                                            prompt_tokens=len(prompt))
+                    response.usage.cached_tokens += cached
+                response.usage.prompt_tokens = sum(len(p) for p in prompts)
+                return response
 
     async def Tokenize(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         async with self._rpc(context) as model:
@@ -215,6 +242,21 @@ def _prompt_chars(request: pb.GenerateRequest) -> int:
     return 0
 
 
+async def _embedding(model: LoadedModel, prompt: list[int], label: str,
+                     limit: asyncio.Semaphore) -> tuple[list[float], int]:
+    """One input's last hidden state and its prefix-cache hit, as an engine request of its own."""
+    hidden, cached = None, 0
+    async with limit:
+        stream = model.engine.generate(uuid.uuid4().hex, prompt, embeddings.embed_params(), label)
+        async with contextlib.aclosing(stream) as outputs:
+            async for output in outputs:
+                cached = max(cached, output.num_cached_tokens)
+                hidden = next((o.embedding for o in output.outputs if o.embedding is not None), hidden)
+    if hidden is None:  # the engine ends an embedding with its one token, which carries it
+        raise RuntimeError("an embedding request finished without its hidden state")
+    return hidden, cached
+
+
 def _args(prepared: _Prepared) -> tuple[str, list[int], Any, str]:
     return prepared.engine_id, prepared.prompt, prepared.params, prepared.request_id
 
@@ -298,8 +340,9 @@ class ForgeService:
         if self.config.metrics_port:  # 0: no metrics, nothing observed on the engine thread
             engine.observer = self.metrics.watch(engine.model_name, async_engine.stats)
         async_engine.start()
+        arch = getattr(engine, "arch", None)
         self.model = LoadedModel(async_engine, engine.tokenizer, engine.model_name, engine.max_model_len,
-                                 int(time.time()), longest)
+                                 int(time.time()), longest, getattr(arch, "hidden_size", None))
         # What loading made lives as long as the process: out of the collector's full passes, which
         # would otherwise walk it all (~190k objects on the default model, 70-220 ms with the GIL
         # held, stalling every stream) a few times a minute under load.
@@ -333,6 +376,22 @@ class ForgeService:
     async def prepare(self, request: pb.GenerateRequest, model: LoadedModel) -> _Prepared:
         """Check, tokenize (in the tokenizer pool) and compile one request for `model`."""
         return await _prepare(request, model, self.config, self._tokenizers)
+
+    async def embed_prompts(self, request: pb.EmbedRequest, model: LoadedModel) -> list[list[int]]:
+        """An Embed request's inputs as token ids (in the tokenizer pool), each checked."""
+        _check_model(request.model, model)
+        if not 1 <= len(request.inputs) <= embeddings.MAX_INPUTS:
+            raise InvalidArgument(f"inputs must hold 1 to {embeddings.MAX_INPUTS} texts, got {len(request.inputs)}",
+                                  field="inputs")
+        if request.HasField("dimensions") and model.hidden_size is not None:
+            embeddings.check_dimensions(request.dimensions, model.hidden_size)
+        for i, item in enumerate(request.inputs):
+            if item.WhichOneof("input") == "text":
+                with blame(f"inputs[{i}]"):
+                    check_prompt_chars(len(item.text), model.longest_token_chars, model.max_model_len)
+        return await self._tokenizers.run(lambda: [
+            embeddings.input_token_ids(i, item, model.tokenizer, model.max_model_len)
+            for i, item in enumerate(request.inputs)])
 
     async def tokenize(self, request: pb.GenerateRequest, model: LoadedModel) -> list[int]:
         """A request's prompt tokens (in the tokenizer pool), checked as far as tokenizing needs."""

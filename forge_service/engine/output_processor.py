@@ -59,7 +59,7 @@ class CompletionProcessor:
 
     def process(self, request: Request, sampled: SampledToken) -> tuple[CompletionOutput, str | None]:
         """Delta output for one new token, and the stop string it completed (if any)."""
-        delta = CompletionOutput(index=request.index, token_ids=[sampled.token_id])
+        delta = CompletionOutput(index=request.index, token_ids=[sampled.token_id], embedding=sampled.embedding)
         if self.want_logprobs:
             delta.logprobs = [self._logprobs(sampled)]
             self.cumulative_logprob += sampled.logprob

@@ -35,6 +35,8 @@ class CompletionOutput:
     # Speculative decoding so far (cumulative, not a delta): tokens drafted and accepted.
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
+    # SamplingParams.embed: the prompt's last hidden state (on the delta of its one token).
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -52,6 +54,7 @@ class CompletionOutput:
         self.times = later.times or self.times
         self.num_drafted_tokens = max(self.num_drafted_tokens, later.num_drafted_tokens)
         self.num_accepted_tokens = max(self.num_accepted_tokens, later.num_accepted_tokens)
+        self.embedding = later.embedding or self.embedding
 
 
 @dataclass

@@ -60,6 +60,10 @@ class SamplingParams:
     # Scheduling rank under the "priority" policy: lower runs first (vLLM's convention); requests
     # of one priority run in arrival order. The "fcfs" policy takes 0 only.
     priority: int = 0
+    # An embedding: the request computes its prompt and its one output token's completion carries
+    # the final hidden state of the prompt's last token (after the model's final norm, fp32) in
+    # CompletionOutput.embedding. It takes n 1 and max_tokens 1; the token itself is a by-product.
+    embed: bool = False
 
     MAX_LOGPROBS = 20
     MAX_BAD_WORDS = 64
@@ -123,6 +127,8 @@ class SamplingParams:
             (len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}"),
             (self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 64, "num_speculative_tokens",
              f"num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens}"),
+            (not self.embed or (self.n == 1 and self.max_tokens == 1 and self.constraint is None), "embed",
+             "an embedding takes n 1, max_tokens 1 and no structured output"),
         ]
         for ok, name, message in checks:
             if not ok:

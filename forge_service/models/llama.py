@@ -48,6 +48,7 @@ class LlamaModel:
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                       arch.rope_scaling, weights.get("model.rope_freq_factors"))
         self.scale = arch.head_dim ** -0.5
+        self.last_hidden: torch.Tensor | None = None  # set by each forward
         # The CPU backend runs a whole step's layers in one native call where it can.
         self.decode_plan = backend.decode_plan(self.layers, arch, self.scale)
 
@@ -112,6 +113,7 @@ class LlamaModel:
                 delta = self._mlp(layer, self._add_norm(x, delta, layer.post_norm))
         rows = x[logits_indices] if delta is None else x[logits_indices] + delta[logits_indices]
         h = self.backend.rms_norm(rows, self.norm.float(), self.arch.rms_norm_eps)  # [N, D] fp32
+        self.last_hidden = h  # the rows' final hidden states, for embeddings (ModelRunner._embed)
         logits = self.lm_head(h.to(self.dtype)).float()  # [N, V]
         if self.dtype != torch.float32:
             self._refine_leaders(h, logits)

@@ -73,6 +73,11 @@ class ForgeStub:
                 request_serializer=forge_dot_v1_dot_forge__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=forge_dot_v1_dot_forge__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/forge.v1.Forge/Embed',
+                request_serializer=forge_dot_v1_dot_forge__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=forge_dot_v1_dot_forge__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class ForgeServicer:
@@ -133,6 +138,16 @@ class ForgeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeds texts: each input's final hidden state at its last token (last-token pooling, as
+        decoder embedding models such as Qwen3-Embedding are trained), unit length unless
+        normalize is false. Each input is one engine request, batched with the others and with
+        generation; the call fails as a whole (INVALID_ARGUMENT naming inputs[i]) on a bad input.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ForgeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +180,11 @@ def add_ForgeServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=forge_dot_v1_dot_forge__pb2.DetokenizeRequest.FromString,
                     response_serializer=forge_dot_v1_dot_forge__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=forge_dot_v1_dot_forge__pb2.EmbedRequest.FromString,
+                    response_serializer=forge_dot_v1_dot_forge__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -338,6 +358,33 @@ class Forge:
             '/forge.v1.Forge/Detokenize',
             forge_dot_v1_dot_forge__pb2.DetokenizeRequest.SerializeToString,
             forge_dot_v1_dot_forge__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forge.v1.Forge/Embed',
+            forge_dot_v1_dot_forge__pb2.EmbedRequest.SerializeToString,
+            forge_dot_v1_dot_forge__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -28,6 +28,7 @@ class SampledToken:
     rank: int | None = None
     top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
     refused: bool = False  # its grammar refused the token (a bug: the mask allowed it); the request ends
+    embedding: list[float] | None = None  # SamplingParams.embed: the final hidden state of the row sampled from
 
 
 def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -121,10 +122,26 @@ class ModelRunner:
         if not sampling:
             return []
         sampled = self._sample(logits[:len(logit_rows)], sampling)
+        self._embed(sampling, sampled)
         by_id: dict[str, list[SampledToken]] = {}
         for s in sampled:
             by_id.setdefault(s.request_id, []).append(s)
         return [s for c in out.chunks if c.samples for s in by_id[c.request.request_id]]
+
+    def _embed(self, chunks: list[ScheduledChunk], sampled: list[SampledToken]) -> None:
+        """Give each embedding request's token its row's final hidden state (the model's, of the
+        step's logit rows: 1 + its draft per sampling chunk, in order)."""
+        rows, row = {}, 0
+        for c in chunks:
+            if c.request.sampling_params.embed:
+                rows[c.request.request_id] = row
+            row += 1 + len(c.draft)
+        if not rows:
+            return
+        hidden = self.model.last_hidden
+        for s in sampled:
+            if s.request_id in rows:
+                s.embedding = hidden[rows[s.request_id]].float().cpu().tolist()
 
     def _score_prompt(self, logits: torch.Tensor, scored: list[tuple[Request, int, int]]) -> None:
         """Each scored row's logprobs of the prompt token after it, kept on its request by position

@@ -58,6 +58,11 @@ class FakeTokenizer:
 
 
 @dataclass
+class FakeArch:
+    hidden_size: int = 4  # the length of the fake's embeddings
+
+
+@dataclass
 class _Seq:
     index: int
     output: list[int] = field(default_factory=list)
@@ -87,6 +92,7 @@ class FakeEngine:
     def __init__(self, max_model_len: int = 128, step_delay_s: float = 0.0, max_running: int = 64,
                  model_name: str = "fake-model") -> None:
         self.tokenizer = FakeTokenizer()
+        self.arch = FakeArch()
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.step_delay_s = step_delay_s
@@ -181,8 +187,10 @@ class FakeEngine:
         if params.logprobs is not None:
             alternatives = [Logprob(t, -1.0 - r, r + 2, chr(t)) for r, t in enumerate(range(65, 65 + params.logprobs))]
             logprobs = [[Logprob(token, -0.5, 1, self.tokenizer.id_to_token(token)), *alternatives]]
+        # an embedding: the prompt's length and its first token, then 3 and 4 (a hidden size of 4)
+        embedding = [float(len(request.prompt)), float(request.prompt[0]), 3.0, 4.0] if params.embed else None
         return CompletionOutput(seq.index, text, [token], logprobs, finish_reason=seq.finish_reason,
-                                stop_reason=seq.stop_reason)
+                                stop_reason=seq.stop_reason, embedding=embedding)
 
 
 # ---- waiting helpers shared by the serving tests ------------------------------------------

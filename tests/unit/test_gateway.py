@@ -154,6 +154,19 @@ class FakeForge(pb_grpc.ForgeServicer):
         return pb.HealthResponse(model="fake-model", state=state, ready=self.ready, num_waiting=1, num_running=2,
                                  kv_cache_usage=0.25, kv_blocks_used=25, kv_blocks_total=100)
 
+    def Embed(self, request: pb.EmbedRequest, context: grpc.ServicerContext) -> pb.EmbedResponse:
+        """Input i embeds as [i, its length, 0.5]; an input "bad" is INVALID_ARGUMENT naming it."""
+        self.requests.append(request)
+        response = pb.EmbedResponse(request_id=request.request_id, model="fake-model")
+        for i, item in enumerate(request.inputs):
+            if item.text == "bad":
+                context.set_trailing_metadata((("forge-error-field", f"inputs[{i}]"),))
+                context.abort(S.INVALID_ARGUMENT, f"inputs[{i}] is bad")
+            length = len(item.text) if item.HasField("text") else len(item.token_ids.ids)
+            response.embeddings.add(values=[float(i), float(length), 0.5], prompt_tokens=length)
+            response.usage.prompt_tokens += length
+        return response
+
     def Tokenize(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.TokenizeResponse:
         ids = list(self._admit(request, context).encode())  # one token per byte
         return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=2048)
