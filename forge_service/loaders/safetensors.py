@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +33,19 @@ def load_safetensors(path: str, dtype: torch.dtype) -> Checkpoint:
     generation = _read_json(root / "generation_config.json", required=False)
     config_path = str(root / "config.json")
     arch = check_arch(config_path, arch_from_hf_config(config_path, config, generation))
-    files = _tensor_files(root)  # HF name -> file holding it
+    files = _tensor_files(root)  # name in the files -> file holding it
+    names = {name: name for name in files}  # HF causal-LM name -> name in the files
+    if "model.embed_tokens.weight" not in files and "embed_tokens.weight" in files:
+        # The decoder saved alone, without its head (Qwen3-Embedding's files, whose config still
+        # names Qwen3ForCausalLM): its names lack the `model.` prefix, and the head is the embedding.
+        names = {f"model.{name}": name for name in files}
+        arch = replace(arch, tie_word_embeddings=True)
     handles = {f: _open(f) for f in sorted(set(files.values()))}
-    shapes = {name: _shape(handles[f], f, name) for name, f in files.items()}
+    shapes = {hf: _shape(handles[files[name]], files[name], name) for hf, name in names.items()}
     check_tensors(str(root), arch, shapes)
     if arch.tie_word_embeddings:
-        files.pop("lm_head.weight", None)
-    weights = {name: _read(handles[f], f, name, dtype) for name, f in files.items()}
+        names.pop("lm_head.weight", None)
+    weights = {hf: _read(handles[files[name]], files[name], name, dtype) for hf, name in names.items()}
     return Checkpoint(path=str(root), format="safetensors", arch=arch, weights=weights)
 
 

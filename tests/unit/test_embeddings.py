@@ -4,6 +4,7 @@ engine and a tiny model); the gateway's /v1/embeddings (a fake service, the open
 from __future__ import annotations
 
 import base64
+import json
 import math
 import struct
 from pathlib import Path
@@ -186,3 +187,22 @@ def test_the_openai_client_embeds(client: openai.OpenAI, fake) -> None:
     out = client.embeddings.create(model="fake-model", input=["hello", "hi"])
     assert [d.embedding for d in out.data] == [[0.0, 5.0, 0.5], [1.0, 2.0, 0.5]]
     assert out.usage.prompt_tokens == 7 and fake.requests[-1].inputs[1].text == "hi"
+
+
+def test_a_decoder_saved_without_its_head_loads_as_tied(tmp_path: Path, qwen3_dir: Path) -> None:
+    # Qwen3-Embedding's files: `embed_tokens.weight`, `layers.0....` (no `model.` prefix), no lm_head
+    from safetensors.torch import load_file, save_file
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (bare / name).write_bytes((qwen3_dir / name).read_bytes())
+    config = json.loads((qwen3_dir / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))  # no head to find
+    tensors = load_file(str(qwen3_dir / "model.safetensors"))
+    save_file({n.removeprefix("model."): t for n, t in tensors.items() if n != "lm_head.weight"},
+              str(bare / "model.safetensors"))
+    want = LLM(model=str(qwen3_dir), dtype="float32").embed(PROMPTS)
+    llm = LLM(model=str(bare), dtype="float32")
+    assert llm.engine.arch.tie_word_embeddings
+    assert llm.embed(PROMPTS) == want
