@@ -36,6 +36,12 @@ class InvalidArgument(ForgeError):
     code = "INVALID_ARGUMENT"
 
 
+class Unsupported(ForgeError):
+    """The request asks for something this model or server cannot do (not a malformed request)."""
+
+    code = "FAILED_PRECONDITION"
+
+
 class ModelNotFound(ForgeError):
     code = "NOT_FOUND"
 

@@ -17,7 +17,7 @@ from forge_service.engine.output_types import CompletionOutput, RequestOutput
 from forge_service.engine.request import Request, RequestStatus, SamplingParams
 from forge_service.engine.outputs import ScheduledChunk, SchedulerOutput
 from forge_service.engine.scheduler import Scheduler
-from forge_service.errors import CONTEXT_LENGTH_EXCEEDED, InvalidArgument, QueueFull
+from forge_service.errors import CONTEXT_LENGTH_EXCEEDED, InvalidArgument, QueueFull, Unsupported
 from forge_service.kv_cache.manager import KVCacheManager
 from forge_service.loaders import Checkpoint, default_model_path, load_checkpoint
 from forge_service.models.registry import build_model
@@ -204,6 +204,9 @@ class LLMEngine:
             raise InvalidArgument("stop_token_ids cannot be combined with structured output: a stop token could "
                                   "cut the output short of its grammar (stop strings end it only where it is complete)",
                                   field="stop_token_ids")
+        if params.embed and self.arch.pooling not in (None, "last"):
+            raise Unsupported(f"this model declares {self.arch.pooling} pooling; Forge embeds by the last token only",
+                              field="embed")
         if not prompt:
             raise InvalidArgument("the prompt is empty: it needs at least one token")
         bad = [t for t in prompt if not 0 <= t < self.arch.vocab_size]

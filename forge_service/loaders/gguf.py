@@ -47,6 +47,9 @@ _LAYER_NAMES = {
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 
+# llama.cpp's pooling types (`{arch}.pooling_type`) -> ArchConfig.pooling; 0 is none declared.
+_POOLING = {0: None, 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
 # GGUF `{arch}.rope.scaling.*` keys -> HF rope_scaling keys.
 _ROPE_SCALING_KEYS = {
     "factor": "factor",
@@ -131,6 +134,7 @@ def arch_from_gguf(path: str, reader: GGUFFile) -> ArchConfig:
         rope_scaling=_rope_scaling(meta, a),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=_eos_ids(meta),
+        pooling=_POOLING.get(meta.get(f"{a}.pooling_type", 0), "unknown"),
         **VARIANTS[SUPPORTED_ARCHITECTURES[name]],
     )
 

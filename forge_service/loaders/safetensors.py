@@ -23,6 +23,8 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")
 # Buffers older transformers versions saved; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+# sentence-transformers' pooling modes -> ArchConfig.pooling (others keep their own names)
+_POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ def load_safetensors(path: str, dtype: torch.dtype) -> Checkpoint:
     config = _read_json(root / "config.json", required=True)
     generation = _read_json(root / "generation_config.json", required=False)
     config_path = str(root / "config.json")
-    arch = check_arch(config_path, arch_from_hf_config(config_path, config, generation))
+    arch = check_arch(config_path, arch_from_hf_config(config_path, config, generation, _pooling(root)))
     files = _tensor_files(root)  # name in the files -> file holding it
     names = {name: name for name in files}  # HF causal-LM name -> name in the files
     if "model.embed_tokens.weight" not in files and "embed_tokens.weight" in files:
@@ -49,7 +51,8 @@ def load_safetensors(path: str, dtype: torch.dtype) -> Checkpoint:
     return Checkpoint(path=str(root), format="safetensors", arch=arch, weights=weights)
 
 
-def arch_from_hf_config(path: str, config: dict[str, Any], generation: dict[str, Any]) -> ArchConfig:
+def arch_from_hf_config(path: str, config: dict[str, Any], generation: dict[str, Any],
+                        pooling: str | None = None) -> ArchConfig:
     """The ArchConfig of a Llama, Mistral, Qwen2 or Qwen3 config.json; generation_config.json's
     eos_token_id wins."""
     key = _registry_key(path, config)
@@ -76,8 +79,17 @@ def arch_from_hf_config(path: str, config: dict[str, Any], generation: dict[str,
         rope_scaling=rope_scaling,
         bos_token_id=next(iter(_token_ids(path, config.get("bos_token_id", generation.get("bos_token_id")))), None),
         eos_token_ids=_token_ids(path, generation.get("eos_token_id", config.get("eos_token_id"))),
+        pooling=pooling,
         **VARIANTS[key],
     )
+
+
+def _pooling(root: Path) -> str | None:
+    """The pooling a sentence-transformers model declares (1_Pooling/config.json), if any."""
+    modes = _read_json(root / "1_Pooling" / "config.json", required=False)
+    chosen = sorted(_POOLING.get(name, name.removeprefix("pooling_mode_")) for name, on in modes.items()
+                    if name.startswith("pooling_mode_") and on is True)
+    return "+".join(chosen) or None
 
 
 def _context(path: str, config: dict[str, Any]) -> int:

@@ -29,6 +29,9 @@ class ArchConfig:
     qkv_bias: bool = False
     # Qwen3: each query and key head is RMS-normalised (q_norm / k_norm, [head_dim]) before rotary.
     qk_norm: bool = False
+    # The pooling an embedding model declares ("last", "mean", "cls", ...): a GGUF's
+    # {arch}.pooling_type, a sentence-transformers 1_Pooling/config.json. None: none declared.
+    pooling: str | None = None
 
 
 # The architectures Forge serves (the registry's keys), each a Llama decoder plus the ArchConfig

@@ -206,3 +206,39 @@ def test_a_decoder_saved_without_its_head_loads_as_tied(tmp_path: Path, qwen3_di
     llm = LLM(model=str(bare), dtype="float32")
     assert llm.engine.arch.tie_word_embeddings
     assert llm.embed(PROMPTS) == want
+
+
+def test_a_model_that_declares_another_pooling_is_refused_clearly(tmp_path: Path) -> None:
+    import gguf
+
+    from forge_service.errors import Unsupported
+    from forge_service.loaders import load_checkpoint
+
+    arch = variant_arch("qwen3")
+    weights = _weights(arch)
+    for pooling_type, pooling in ((3, "last"), (1, "mean"), (2, "cls")):
+        path = write_gguf(tmp_path / f"{pooling_type}.gguf", arch, weights,
+                          uint32_keys={"qwen3.pooling_type": pooling_type})
+        assert gguf.GGUFReader(path).fields["qwen3.pooling_type"].contents() == pooling_type
+        assert load_checkpoint(str(path)).arch.pooling == pooling
+    assert len(LLM(model=str(tmp_path / "3.gguf"), dtype="float32").embed("abc")[0]) == 64
+    mean = LLM(model=str(tmp_path / "1.gguf"), dtype="float32")
+    with pytest.raises(Unsupported, match="declares mean pooling; Forge embeds by the last token only"):
+        mean.embed("abc")
+
+    async def body(h):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.stub.Embed(embed(pb.EmbedInput(text="abc"), pb.EmbedInput(text="de")))
+        return info.value.code(), info.value.details()
+
+    code, details = run(body, factory=lambda: mean.engine)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "declares mean pooling" in details
+    root = write_safetensors_dir(tmp_path / "st", arch, weights, tokenizer_json=tiny_tokenizer_json())
+    (root / "1_Pooling").mkdir()
+    for modes, pooling in (({"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}, "last"),
+                           ({"pooling_mode_mean_tokens": True}, "mean"), ({"pooling_mode_max_tokens": True}, "max_tokens")):
+        (root / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **modes}))
+        assert load_checkpoint(str(root)).arch.pooling == pooling
+    assert load_checkpoint(str(write_safetensors_dir(tmp_path / "plain", arch, weights))).arch.pooling is None
+    assert load_checkpoint(str(write_gguf(tmp_path / "plain.gguf", arch, weights))).arch.pooling is None
+
