@@ -150,19 +150,21 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else -9999.0
 
 
-_USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens", "draft_tokens", "accepted_draft_tokens")
+_USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens", "draft_tokens", "accepted_draft_tokens",
+                 "reasoning_tokens")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, draft_tokens: int = 0,
-          accepted_draft_tokens: int = 0) -> dict[str, Any]:
+          accepted_draft_tokens: int = 0, reasoning_tokens: int = 0) -> dict[str, Any]:
     """OpenAI's usage object. Speculative decoding's drafted tokens are reported as OpenAI reports
     predicted outputs: accepted ones (completion tokens that took no step of their own) and
-    rejected ones (computed, then dropped)."""
+    rejected ones (computed, then dropped); a thinking model's thought as reasoning tokens."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens},
             "completion_tokens_details": {"accepted_prediction_tokens": accepted_draft_tokens,
-                                          "rejected_prediction_tokens": draft_tokens - accepted_draft_tokens}}
+                                          "rejected_prediction_tokens": draft_tokens - accepted_draft_tokens,
+                                          "reasoning_tokens": reasoning_tokens}}
 
 
 def _usage_of(messages: list[Any], fields: tuple[str, ...] = _USAGE_FIELDS) -> dict[str, Any]:

@@ -36,7 +36,7 @@ class _Stream:
         self.prompt_tokens: dict[int, int] = {}
         self.cached_tokens: dict[int, int] = {}
         self.completion_tokens = 0
-        self.draft_tokens = self.accepted_draft_tokens = 0
+        self.draft_tokens = self.accepted_draft_tokens = self.reasoning_tokens = 0
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {"id": self.response_id, "object": self.object_name, "created": self.created, "model": self.model,
@@ -63,13 +63,15 @@ class _Stream:
         self.completion_tokens += final.usage.completion_tokens
         self.draft_tokens += final.usage.draft_tokens
         self.accepted_draft_tokens += final.usage.accepted_draft_tokens
+        self.reasoning_tokens += final.usage.reasoning_tokens
         return [self.chunk([self._final(prompt * self.n + final.index, final)])]
 
     def end(self) -> list[dict[str, Any]]:
         if not self.include_usage:
             return []
         total = convert.usage(sum(self.prompt_tokens.values()), self.completion_tokens,
-                              sum(self.cached_tokens.values()), self.draft_tokens, self.accepted_draft_tokens)
+                              sum(self.cached_tokens.values()), self.draft_tokens, self.accepted_draft_tokens,
+                              self.reasoning_tokens)
         return [{**self.chunk([]), "usage": total}]
 
     def _prompt(self, prompt: int, logprobs: pb.PromptLogprobs) -> list[dict[str, Any]]:

@@ -73,7 +73,9 @@ def output_processor(request: pb.GenerateRequest, request_id: str, setup: ToolSe
     tail = tokenizer.decode(list(prompt[-16:]), skip_special_tokens=False) if split else ""
     in_thought = reasoning.prompt_opens_thought(tail)
     include = not request.HasField("include_reasoning") or request.include_reasoning
-    return OutputProcessor(request_id, setup, schema, reasoning=split, in_thought=in_thought, include_reasoning=include)
+    close = tokenizer.encode(reasoning.CLOSE, add_special_tokens=False) if split else []
+    return OutputProcessor(request_id, setup, schema, reasoning=split, in_thought=in_thought, include_reasoning=include,
+                           close_token=close[0] if len(close) == 1 else None)
 
 
 def sampling_params(request: pb.GenerateRequest, setup: ToolSetup | None = None) -> SamplingParams:
@@ -289,7 +291,7 @@ class StreamEncoder:
         for completion in output.outputs:
             count = self.completion_tokens.get(completion.index, 0) + len(completion.token_ids)
             self.completion_tokens[completion.index] = count
-            piece = self.processor.feed(completion.index, completion.text)
+            piece = self.processor.feed(completion.index, completion.text, completion.token_ids)
             if piece.text or completion.token_ids or piece.tool_calls or piece.reasoning:
                 messages.append(self._chunk(completion.index, piece, completion.token_ids,
                                             position_logprobs(completion.logprobs)))
@@ -311,7 +313,8 @@ class StreamEncoder:
                ) -> pb.StreamFinal:
         usage = pb.Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=count,
                          cached_tokens=output.num_cached_tokens, draft_tokens=completion.num_drafted_tokens,
-                         accepted_draft_tokens=completion.num_accepted_tokens)
+                         accepted_draft_tokens=completion.num_accepted_tokens,
+                         reasoning_tokens=self.processor.reasoning_tokens(completion.index))
         final = pb.StreamFinal(index=completion.index, finish_reason=FINISH_REASONS.get(reason or "", 0),
                                usage=usage, tool_calls=[_tool_call(c) for c in calls])
         _matched_stop(final, completion.stop_reason)
@@ -351,7 +354,7 @@ class GenerateAccumulator:
             self.prompt_logprobs = prompt_logprobs(output.prompt_logprobs, self.first_prompt_token)
         for completion in output.outputs:
             choice = self.choices.setdefault(completion.index, _Choice())
-            piece = self.processor.feed(completion.index, completion.text)
+            piece = self.processor.feed(completion.index, completion.text, completion.token_ids)
             choice.text.append(piece.text)
             choice.reasoning.append(piece.reasoning)
             choice.token_ids.extend(completion.token_ids)
@@ -377,6 +380,7 @@ class GenerateAccumulator:
         usage = pb.Usage(prompt_tokens=self.num_prompt_tokens, cached_tokens=self.num_cached_tokens,
                          completion_tokens=sum(len(c.token_ids) for c in self.choices.values()),
                          draft_tokens=sum(c.draft_tokens for c in self.choices.values()),
-                         accepted_draft_tokens=sum(c.accepted_draft_tokens for c in self.choices.values()))
+                         accepted_draft_tokens=sum(c.accepted_draft_tokens for c in self.choices.values()),
+                         reasoning_tokens=sum(map(self.processor.reasoning_tokens, self.choices)))
         return pb.GenerateResponse(request_id=self.request_id, model=self.model, choices=choices, usage=usage,
                                    prompt_logprobs=self.prompt_logprobs)

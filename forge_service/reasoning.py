@@ -41,15 +41,28 @@ class ReasoningSplitter:
         self._state = "thought" if in_thought else "start"
         self._held = ""  # text not given out yet
         self._lead = True  # at the start of the thought or the answer: whitespace is dropped
+        self.thought_seen = False
+
+    @property
+    def thought_open(self) -> bool:
+        return self._state == "thought"
+
+    @property
+    def undecided(self) -> bool:
+        """Whether nothing but whitespace or the opening tag's beginning came yet."""
+        return self._state == "start"
 
     def feed(self, text: str) -> tuple[str, str]:
-        """(reasoning, answer) decoded from this delta onwards that can be given out now."""
+        """(reasoning, answer) decoded from this delta onwards that can be given out now;
+        `thought_seen` then says whether this delta was part of a thought (opened, continued or
+        closed one)."""
+        self.thought_seen = self._state == "thought"
         self._held += text
         reasoning = answer = ""
         if self._state == "start":
             stripped = self._held.lstrip()
             if stripped.startswith(OPEN):
-                self._state, self._held = "thought", stripped[len(OPEN):]
+                self._state, self._held, self.thought_seen = "thought", stripped[len(OPEN):], True
             elif OPEN.startswith(stripped):  # whitespace, or the opening tag's beginning: wait
                 return "", ""
             else:  # no thought: the text is the answer as written

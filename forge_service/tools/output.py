@@ -16,7 +16,7 @@ import logging
 import secrets
 import string
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from forge_service.reasoning import ReasoningSplitter
 from forge_service.structured.schema import OutputValidator
@@ -46,14 +46,18 @@ class Piece:
 class OutputProcessor:
     def __init__(self, request_id: str, tools: ToolSetup | None, json_schema: Any | None = None,
                  on_validated: ValidationHook | None = None, reasoning: bool = False, in_thought: bool = False,
-                 include_reasoning: bool = True) -> None:
+                 include_reasoning: bool = True, close_token: int | None = None) -> None:
         """`reasoning`: split thoughts off; `in_thought`: the prompt left one open; without
-        `include_reasoning` they are split off and dropped."""
+        `include_reasoning` they are split off and dropped. `close_token`: the id of </think>
+        where it is one token, which makes the thought's token count exact."""
+        self._close_token = close_token
         self.request_id = request_id
         self._reasoning = reasoning
         self._in_thought = in_thought
         self._include_reasoning = include_reasoning
         self._splitters: dict[int, ReasoningSplitter] = {}
+        self._thought_tokens: dict[int, int] = {}
+        self._undecided_tokens: dict[int, int] = {}  # before a thought may open (e.g. "<thi")
         self._tools = tools if tools is not None and tools.calls_allowed else None
         self._schema = OutputValidator(json_schema) if json_schema is not None else None
         self._tool_validators: dict[str, OutputValidator] = {}
@@ -65,11 +69,30 @@ class OutputProcessor:
     def parses_tools(self) -> bool:
         return self._tools is not None
 
-    def feed(self, index: int, text: str) -> Piece:
+    def feed(self, index: int, text: str, token_ids: Sequence[int] = ()) -> Piece:
+        """The next text delta of completion `index`, decoded from `token_ids`."""
         reasoning = ""
         if self._reasoning:
-            reasoning, text = self._splitter(index).feed(text)
+            splitter = self._splitter(index)
+            reasoning, text = splitter.feed(text)
+            held = self._undecided_tokens.pop(index, 0) + self._thought_part(token_ids, splitter)
+            if splitter.thought_seen:
+                self._thought_tokens[index] = self._thought_tokens.get(index, 0) + held
+            elif splitter.undecided:
+                self._undecided_tokens[index] = held
         return self._answer(index, text, reasoning)
+
+    def _thought_part(self, token_ids: Sequence[int], splitter: ReasoningSplitter) -> int:
+        """How many of a delta's tokens go with a thought it was part of: all of them, but for the
+        delta that closed it only those through the closing tag where that is one token (else
+        that delta counts whole)."""
+        if not splitter.thought_seen or splitter.thought_open or self._close_token not in token_ids:
+            return len(token_ids)
+        return list(token_ids).index(self._close_token) + 1
+
+    def reasoning_tokens(self, index: int) -> int:
+        """Tokens of completion `index` that belonged to its thought so far."""
+        return self._thought_tokens.get(index, 0)
 
     def finish(self, index: int, finish_reason: str | None) -> tuple[Piece, list[ParsedCall], str | None]:
         """The last piece, the completion's calls, and its finish reason ("tool_calls" when it

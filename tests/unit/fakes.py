@@ -36,7 +36,7 @@ class FakeTokenizer:
 
     vocab_size = 256
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,

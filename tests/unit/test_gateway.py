@@ -121,6 +121,7 @@ class FakeForge(pb_grpc.ForgeServicer):
                                           logprobs=self._positions(request, text), reasoning=self._thought(prompt, i))
             self._finish(request, choice)
             response.usage.completion_tokens += len(text)
+            response.usage.reasoning_tokens += len(choice.reasoning)
         response.usage.prompt_tokens, response.usage.cached_tokens = len(prompt), 2
         response.usage.draft_tokens, response.usage.accepted_draft_tokens = 7, 5
         return response
@@ -145,7 +146,7 @@ class FakeForge(pb_grpc.ForgeServicer):
                     context.abort(S.INTERNAL, "internal engine error [error id def456]")
             final = pb.StreamFinal(index=i, usage=pb.Usage(prompt_tokens=len(prompt), completion_tokens=len(text),
                                                            cached_tokens=2, draft_tokens=3 + i,
-                                                           accepted_draft_tokens=1 + i))
+                                                           accepted_draft_tokens=1 + i, reasoning_tokens=len(thought)))
             self._finish(request, final)
             yield pb.StreamResponse(request_id=request.request_id, final=final)
 
@@ -316,7 +317,7 @@ def test_chat_stream_shape_with_usage(http: httpx.Client, client: openai.OpenAI,
     assert all(e["usage"] is None for e in events[:-1])
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 18
     assert events[-1]["usage"]["completion_tokens_details"] == {"accepted_prediction_tokens": 3,
-                                                                 "rejected_prediction_tokens": 4}
+                                                                 "rejected_prediction_tokens": 4, "reasoning_tokens": 0}
     texts = {0: "", 1: ""}
     for event in events[2:-1]:
         for choice in event["choices"]:

@@ -217,6 +217,7 @@ def test_the_openai_client_streams_a_response(client: openai.OpenAI, fake: FakeF
 def test_the_openai_client_reads_the_reasoning_item(client: openai.OpenAI, fake: FakeForge) -> None:
     out = client.responses.create(model="fake-model", input="think first")
     assert out.output[0].type == "reasoning" and out.output[0].content[0].text == "thought 0 about think first"
+    assert out.usage.output_tokens_details.reasoning_tokens == len("thought 0 about think first")
     assert out.output_text == "echo think first 0"
     events = list(client.responses.create(model="fake-model", input="think first", stream=True))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \

@@ -121,6 +121,39 @@ def test_a_grammar_shaped_answer_has_no_thought_even_after_a_template_that_opens
         assert processor.feed(0, '{"a": 1}').reasoning == "", req
 
 
+def test_reasoning_tokens_are_the_thought_s_tags_included() -> None:
+    def count(pieces: list[str], in_thought: bool = False, close_token: int | None = None,
+              steps: list[int] | None = None) -> int:
+        """Reasoning tokens of `pieces` (token i's text), fed a token a step or `steps` tokens at a time."""
+        processor = OutputProcessor("r", None, reasoning=True, in_thought=in_thought, close_token=close_token)
+        at = 0
+        for n in steps or [1] * len(pieces):
+            processor.feed(0, "".join(pieces[at:at + n]), [TOKEN_IDS[p] for p in pieces[at:at + n]])
+            at += n
+        processor.finish(0, "stop")
+        return processor.reasoning_tokens(0)
+
+    qwen3 = ["<think>", "\n", "I", " think", ".", "\n", "</think>", "\n\n", "Answer", "."]
+    assert count(qwen3) == 7
+    assert count(["<thi", "nk>", "x", "</think>", "y"]) == 4  # the tag's first piece waited, then counted
+    assert count([" ", "<b", ">bold"]) == 0 and count(["plain", " answer"]) == 0
+    assert count(["so", " it", "</think>", "ok"], in_thought=True) == 3
+    # several tokens a step (a consumer that fell behind): the step that closes the thought counts
+    # through the closing tag where that is one token, whole where it is not
+    assert count(qwen3, close_token=TOKEN_IDS["</think>"], steps=[4, 6]) == 7
+    assert count(qwen3, close_token=TOKEN_IDS["</think>"], steps=[10]) == 7
+    assert count(qwen3, steps=[4, 6]) == 10
+    off = OutputProcessor("o", None)
+    off.feed(0, "<think>x</think>y", [1, 2, 3])
+    assert off.reasoning_tokens(0) == 0
+
+
+TOKEN_IDS: dict[str, int] = {}
+TOKEN_IDS.update((p, i) for i, p in enumerate(["<think>", "\n", "I", " think", ".", "</think>", "\n\n", "Answer",
+                                                "<thi", "nk>", "x", "y", " ", "<b", ">bold", "plain", " answer",
+                                                "so", " it", "ok"]))
+
+
 # --- the service (a fake engine that echoes the prompt: "<think>plan</think><user>q</user><assistant>") ---
 
 THINKING = dataclasses.replace(CONFIG, reasoning_parser="think")
@@ -128,6 +161,8 @@ MESSAGES = [pb.ChatMessage(role="think", content="plan"), pb.ChatMessage(role="u
 
 
 def test_the_service_returns_the_thought_apart_whole_and_streamed() -> None:
+    response_usage: dict[str, int] = {}
+
     async def body(h):
         request = pb.GenerateRequest(chat=pb.ChatInput(messages=MESSAGES))
         whole = (await h.stub.Generate(request)).choices[0]
@@ -136,12 +171,21 @@ def test_the_service_returns_the_thought_apart_whole_and_streamed() -> None:
         left_out = await h.stub.Generate(pb.GenerateRequest(chat=pb.ChatInput(messages=MESSAGES),
                                                             include_reasoning=False))
         text = await h.stub.Generate(pb.GenerateRequest(text="<think>plan</think>answer"))
+        finals = [m.final for m in streamed if m.HasField("final")]
+        response_usage.update(whole=(await h.stub.Generate(request)).usage.reasoning_tokens,
+                              streamed=finals[0].usage.reasoning_tokens, left_out=left_out.usage.reasoning_tokens)
+        assert text.usage.reasoning_tokens == 0
         return whole, chunks, left_out.choices[0], text.choices[0]
 
     whole, chunks, left_out, text = run(body, config=THINKING)
     assert (whole.reasoning, whole.text) == ("plan", "<user>q</user><assistant>")
+    # <think>plan</think> is 19 tokens (one per byte, so </think> is no one token): deltas that
+    # queued up while the servicer was busy count whole, the one that closed the thought may add
+    # the answer's (exact counts: test_reasoning_tokens_are_the_thought_s_tags_included)
+    assert all(19 <= count <= len(whole.token_ids) for count in response_usage.values()), response_usage
     assert "".join(c.reasoning for c in chunks) == "plan" and "".join(c.text for c in chunks) == whole.text
-    assert not any(c.reasoning and c.text for c in chunks[:1])  # the thought comes first, alone
+    first_text = next(i for i, c in enumerate(chunks) if c.text)
+    assert max(i for i, c in enumerate(chunks) if c.reasoning) <= first_text  # the thought comes first
     assert (left_out.reasoning, left_out.text) == ("", whole.text)
     assert (text.reasoning, text.text) == ("", "<think>plan</think>answer")  # text input: as written
 
@@ -181,6 +225,11 @@ def test_the_gateway_returns_reasoning_and_reasoning_content(http: httpx.Client,
     assert "".join(d["reasoning"] for d in thought) == "thought 0 about think hard"
     assert all(d["reasoning"] == d["reasoning_content"] and "content" not in d for d in thought)
     assert "".join(d.get("content") or "" for d in deltas) == "echo think hard 0"
+    usage = http.post("/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    totals = sse_events(usage)[-1]["usage"]
+    assert totals["completion_tokens_details"]["reasoning_tokens"] == 2 * len("thought 0 about think hard")
+    whole = http.post("/v1/chat/completions", json=body).json()["usage"]["completion_tokens_details"]
+    assert whole["reasoning_tokens"] == 2 * len("thought 0 about think hard")
 
 
 def test_include_reasoning_and_a_message_s_reasoning_reach_the_service(http: httpx.Client, fake) -> None:
@@ -220,10 +269,12 @@ def test_a_template_that_opens_the_thought_makes_the_whole_answer_reasoning_unti
     engine = LLM(model=str(tmp_path), dtype="float32").engine
 
     async def body(h):
-        return (await h.stub.Generate(request)).choices[0], await stream_all(h, request)
+        answer = await h.stub.Generate(request)
+        return answer.choices[0], answer.usage, await stream_all(h, request)
 
-    (whole, streamed) = run(body, factory=lambda: engine)  # auto: the template knows </think>
-    (raw, _) = run(body, factory=lambda: engine, config=dataclasses.replace(CONFIG, reasoning_parser="off"))
+    (whole, usage, streamed) = run(body, factory=lambda: engine)  # auto: the template knows </think>
+    (raw, raw_usage, _) = run(body, factory=lambda: engine, config=dataclasses.replace(CONFIG, reasoning_parser="off"))
+    assert usage.reasoning_tokens == usage.completion_tokens == 12 and raw_usage.reasoning_tokens == 0
     assert "</think>" not in raw.text and raw.text.strip()
     assert (whole.reasoning, whole.text) == (raw.text.strip(), "")
     chunks = [m.chunk for m in streamed if m.HasField("chunk")]
