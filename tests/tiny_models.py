@@ -352,6 +352,21 @@ def encode_q6_k(rows: np.ndarray) -> np.ndarray:
     return blocks.reshape(*rows.shape[:-1], -1)
 
 
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def encode_iq4_nl(rows: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks of 32 (d fp16, then 16 bytes of 4-bit indices into IQ4_NL_VALUES, element j in
+    the low nibble of byte j and j + 16 in its high one), each value the nearest of d x the table."""
+    blocks = rows.reshape(-1, 32).astype(np.float32)
+    largest = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(-1)]
+    d = _f16(largest / IQ4_NL_VALUES[0])
+    scaled = blocks / _safe(d.astype(np.float32))[:, None]
+    idx = np.abs(scaled[..., None] - IQ4_NL_VALUES).argmin(-1).astype(np.uint8)
+    qs = idx[:, :16] | (idx[:, 16:] << 4)
+    return np.concatenate([d.view(np.uint8).reshape(-1, 2), qs], axis=1).reshape(rows.shape[0], -1)
+
+
 KQUANT_ENCODERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "Q4_K": encode_q4_k, "Q5_K": encode_q5_k, "Q6_K": encode_q6_k,
+    "Q4_K": encode_q4_k, "Q5_K": encode_q5_k, "Q6_K": encode_q6_k, "IQ4_NL": encode_iq4_nl,
 }

@@ -78,7 +78,8 @@ DECODERS: dict[QType, Callable[[Tensor], torch.Tensor]] = {
     QType.F32: _float_copy,
     QType.F16: _float_copy,
     QType.BF16: _bf16,
-    **{q: _dequantize for q in (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_K, QType.Q6_K)},
+    **{q: _dequantize for q in (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q5_0,
+                                QType.Q5_1, QType.Q3_K, QType.Q2_K, QType.IQ4_NL, QType.IQ4_XS)},
 }
 
 

@@ -27,7 +27,7 @@ K_WEIGHTS = random_weights(K_ARCH, seed=1)
 # Worst error relative to each tensor's absmax that the encoding allows (Q4_0's asymmetric
 # grid can miss by d = amax/8); a wrong block layout or dequantiser misses by ~1.
 TOLERANCE = {"F32": 0.0, "F16": 1e-3, "BF16": 8e-3, "Q8_0": 5e-3, "Q4_0": 0.13, "Q4_1": 0.07,
-             "Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.02}
+             "Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.02, "Q5_0": 0.07, "Q5_1": 0.04, "IQ4_NL": 0.12}
 
 
 def _worst_relative_error(loaded: dict[str, torch.Tensor], original: dict[str, torch.Tensor]) -> float:
@@ -43,6 +43,74 @@ def test_gguf_round_trip(tmp_path: Path, qtype: str) -> None:
     assert ckpt.weights.keys() == WEIGHTS.keys()
     assert all(w.dtype == torch.float32 and w.is_contiguous() for w in ckpt.weights.values())
     assert _worst_relative_error(ckpt.weights, WEIGHTS) <= TOLERANCE[qtype]
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "IQ4_NL"])
+def test_gguf_fallback_encodings_load_as_int8_codes(tmp_path: Path, qtype: str) -> None:
+    """The encodings llama.cpp writes where rows are no multiple of 256 (a Q4_K_M Qwen2.5-0.5B's
+    896-wide rows are Q5_0): decoded in fp32, and in bf16 kept as int8 codes within half an int8
+    step of the file's values."""
+    path = write_gguf(tmp_path / "m.gguf", ARCH, WEIGHTS, qtype=qtype)
+    exact = load_checkpoint(path).weights
+    assert _worst_relative_error(exact, WEIGHTS) <= TOLERANCE[qtype]
+    coded = load_checkpoint(path, torch.bfloat16).int8
+    name = "model.layers.1.mlp.down_proj.weight"
+    got, want = coded[name].dequantize(), exact[name]
+    assert (got - want).abs().max() <= want.abs().max() / 254 * 1.01  # half a step of the largest weight
+
+
+@pytest.mark.parametrize("qtype", ["Q3_K", "Q2_K", "IQ4_XS"])
+def test_gguf_low_bit_k_and_iq_tensors_load(tmp_path: Path, qtype: str) -> None:
+    """Blocks of random codes (scales kept small and finite): each layer's projections load as
+    llama.cpp's dequantisation (gguf's) in fp32 and as int8 codes within half a step in bf16,
+    and a model of them generates."""
+    from forge_service import LLM, SamplingParams
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    path = write_gguf(tmp_path / "m.gguf", K_ARCH, K_WEIGHTS, qtype="Q8_0")
+    raw = _random_blocks_gguf(tmp_path / "r.gguf", path, kind)
+    exact = load_checkpoint(raw).weights
+    reader = {t.name: t for t in gguf.GGUFReader(raw).tensors}
+    name = "model.layers.0.mlp.gate_proj.weight"
+    stored = reader[gguf_tensor_name(name)]
+    assert stored.tensor_type == kind
+    want = torch.from_numpy(gguf.quants.dequantize(stored.data, kind).reshape(exact[name].shape).copy())
+    assert torch.equal(exact[name], want)
+    got = load_checkpoint(raw, torch.bfloat16).int8[name].dequantize()
+    assert (got - want).abs().max() <= want.abs().max() / 254 * 1.01
+    for dtype in ("float32", "bfloat16"):
+        out = LLM(model=str(raw), dtype=dtype).generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 3
+
+
+def _random_blocks_gguf(path: Path, source: Path, kind: gguf.GGMLQuantizationType) -> Path:
+    """`source` with every projection replaced by random `kind` blocks: bytes below 0x3C, so any
+    fp16 scale among them is finite and below 1."""
+    rng = np.random.default_rng(0)
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        kind_of = field.types[0]
+        if kind_of == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(field.name, value, kind_of, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(field.name, value, kind_of)
+    for t in reader.tensors:
+        rows, cols = (int(x) for x in reversed(t.shape.tolist())) if len(t.shape) == 2 else (0, 0)
+        if t.name.startswith("blk.") and len(t.shape) == 2:
+            data = rng.integers(0, 0x3C, size=(rows, cols // block * size), dtype=np.uint8)
+            writer.add_tensor(t.name, data, raw_dtype=kind)
+        else:
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
@@ -153,8 +221,8 @@ def test_gguf_unsupported_architecture(tmp_path: Path) -> None:
 
 def test_gguf_unsupported_tensor_type(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "m.gguf", ARCH, WEIGHTS,
-                      tensor_qtypes={"model.layers.1.mlp.up_proj.weight": "Q5_0"})
-    _assert_load_error(path, "blk.1.ffn_up.weight", "Q5_0")
+                      tensor_qtypes={"model.layers.1.mlp.up_proj.weight": "MXFP4"})
+    _assert_load_error(path, "blk.1.ffn_up.weight", "MXFP4")
 
 
 def test_gguf_missing_tensor(tmp_path: Path) -> None:
