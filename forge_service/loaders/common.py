@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -63,6 +63,17 @@ def expected_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
         if arch.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (arch.head_dim,), p + "self_attn.k_norm.weight": (arch.head_dim,)}
     return shapes
+
+
+def rope_context(max_positions: int, scaling: dict[str, Any] | None) -> tuple[int, dict[str, Any] | None]:
+    """(the context, the scaling) of a model's rope scaling: YaRN opens its factor times its original
+    context (Qwen2.5's 128k from 32k; the original defaults to max_position_embeddings, as
+    transformers takes it), the others max_position_embeddings."""
+    if not scaling or scaling.get("rope_type") != "yarn" or not isinstance(max_positions, int):
+        return max_positions, scaling  # (a bad max_positions is check_arch's to name)
+    scaling = {**scaling, "original_max_position_embeddings": scaling.get("original_max_position_embeddings")
+               or max_positions}
+    return max(max_positions, int(scaling["original_max_position_embeddings"] * float(scaling["factor"]))), scaling
 
 
 def check_arch(path: str, arch: ArchConfig) -> ArchConfig:

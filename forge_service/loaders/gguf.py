@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as QType
 
 from forge_service.backends.base import Int4Weight, Int8Weight
 from forge_service.errors import ModelLoadError
-from forge_service.loaders.common import ROPE_FREQ_FACTORS, Checkpoint, check_arch, check_tensors
+from forge_service.loaders.common import ROPE_FREQ_FACTORS, Checkpoint, check_arch, check_tensors, rope_context
 from forge_service.loaders.gguf_file import GGUFFile, Tensor, read_gguf
 from forge_service.loaders.gguf_int4 import INT4_TYPES, int4_weight
 from forge_service.loaders.gguf_int8 import INT8_TYPES, int8_weight
@@ -117,6 +117,7 @@ def arch_from_gguf(path: str, reader: GGUFFile) -> ArchConfig:
     if not all(isinstance(v, int) and v > 0 for v in (hidden, heads)):
         raise ModelLoadError(path, f"embedding_length {hidden!r} and head_count {heads!r} must be positive integers")
     head_dim = meta.get(f"{a}.attention.key_length", hidden // heads)
+    context, rope_scaling = rope_context(meta.get(f"{a}.context_length"), _rope_scaling(meta, a))
     if meta.get(f"{a}.rope.dimension_count", head_dim) != head_dim:
         raise ModelLoadError(path, "partial rotary embeddings (rope.dimension_count != head_dim) are not supported")
     return ArchConfig(
@@ -130,9 +131,9 @@ def arch_from_gguf(path: str, reader: GGUFFile) -> ArchConfig:
         head_dim=head_dim,
         rms_norm_eps=meta.get(f"{a}.attention.layer_norm_rms_epsilon"),
         rope_theta=meta.get(f"{a}.rope.freq_base", 10000.0),
-        max_position_embeddings=meta.get(f"{a}.context_length"),
+        max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
-        rope_scaling=_rope_scaling(meta, a),
+        rope_scaling=rope_scaling,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=_eos_ids(meta),
         pooling=_POOLING.get(meta.get(f"{a}.pooling_type", 0), "unknown"),

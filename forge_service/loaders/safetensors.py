@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from forge_service.errors import ModelLoadError
-from forge_service.loaders.common import Checkpoint, check_arch, check_tensors
+from forge_service.loaders.common import Checkpoint, check_arch, check_tensors, rope_context
 from forge_service.models.arch import VARIANTS, ArchConfig
 
 # config.json model_type / architectures entry -> model registry key.
@@ -63,6 +63,8 @@ def arch_from_hf_config(path: str, config: dict[str, Any], generation: dict[str,
         raise ModelLoadError(path, f"hidden_act {config.get('hidden_act')!r} is not supported (only silu)")
     hidden, heads = _int(path, config, "hidden_size"), _int(path, config, "num_attention_heads")
     rope_theta, rope_scaling = _rope(path, config)
+    context, rope_scaling = rope_context(_int(path, config, "max_position_embeddings", 2048), rope_scaling)
+    context = _context(path, config, context)
     return ArchConfig(
         architecture=key,
         vocab_size=_int(path, config, "vocab_size"),
@@ -74,7 +76,7 @@ def arch_from_hf_config(path: str, config: dict[str, Any], generation: dict[str,
         head_dim=_int(path, config, "head_dim", hidden // heads),
         rms_norm_eps=_float(path, config, "rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
-        max_position_embeddings=_context(path, config),
+        max_position_embeddings=context,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=rope_scaling,
         bos_token_id=next(iter(_token_ids(path, config.get("bos_token_id", generation.get("bos_token_id")))), None),
@@ -92,11 +94,10 @@ def _pooling(root: Path) -> str | None:
     return "+".join(chosen) or None
 
 
-def _context(path: str, config: dict[str, Any]) -> int:
-    """max_position_embeddings, capped at a sliding attention window where the model uses one
+def _context(path: str, config: dict[str, Any], length: int) -> int:
+    """The context `length`, capped at a sliding attention window where the model uses one
     (Mistral 7B v0.1's 4,096; Qwen2's with use_sliding_window): within the window every token sees
     its whole context, so the model is served exactly, on no more context than its window."""
-    length = _int(path, config, "max_position_embeddings", 2048)
     if config.get("sliding_window") is None or not config.get("use_sliding_window", True):
         return length
     window = _int(path, config, "sliding_window")

@@ -3,6 +3,7 @@ per-head q/k norms. In fp32 equal to transformers from SafeTensors and from GGUF
 fused step gives the per-kernel path's bits."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -163,3 +164,38 @@ def test_bf16_fused_step_equals_the_per_kernel_path(tmp_path: Path, variant: str
         want_tokens, want = _ours(reference, prompt, 3)
         assert tokens[:3] == want_tokens
         assert max(abs(pos[0][1] - w) for pos, w in zip(logprobs, want)) < 0.05
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
+def test_yarn_rope_scaling_equals_transformers_and_opens_its_context(tmp_path: Path, variant: str) -> None:
+    # Qwen2.5 / Qwen3 long context: YaRN with factor 4 over an original context of 64 positions
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    arch = variant_arch(variant, rope_scaling=yarn, max_position_embeddings=64)
+    write_safetensors_dir(tmp_path, arch, _weights(arch), tokenizer_json=tiny_tokenizer_json())
+    loaded = load_checkpoint(str(tmp_path)).arch
+    assert loaded.max_position_embeddings == 256 and loaded.rope_scaling == yarn  # 4 x 64
+    llm = LLM(model=str(tmp_path), dtype="float32")
+    prompt = list(range(3, 100)) + list(range(3, 40))  # 134 positions: past the original 64
+    tokens, logprobs = _ours(llm, prompt, 12)
+    want_tokens, want_logprobs = _hf_steps(tmp_path, prompt, 12)
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-4
+    plain = tmp_path / "plain"  # the same weights without the scaling answer otherwise
+    write_safetensors_dir(plain, arch, _weights(arch), tokenizer_json=tiny_tokenizer_json(),
+                          config_overrides={"rope_scaling": None, "max_position_embeddings": 256})
+    # at least 5x the tolerance above (qwen2 1.2e-3, qwen3 5e-2): the comparison can tell them apart
+    assert max(abs(a - b) for a, b in zip(_hf_steps(plain, prompt, 12)[1], want_logprobs)) > 5e-4
+
+
+def test_yarn_attention_factor_and_its_defaults() -> None:
+    from forge_service.layers.rotary import attention_factor, inverse_frequencies
+
+    assert attention_factor({"rope_type": "yarn", "factor": 4.0}) == pytest.approx(0.1 * math.log(4) + 1)
+    assert attention_factor({"rope_type": "yarn", "factor": 4.0, "attention_factor": 0.5}) == 0.5
+    assert attention_factor({"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0}) == 1.0
+    assert attention_factor({"rope_type": "linear", "factor": 4.0}) == attention_factor(None) == 1.0
+    base = inverse_frequencies(64, 10000.0, None)
+    scaled = inverse_frequencies(64, 10000.0, {"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 4096})
+    assert torch.equal(scaled[:4], base[:4])  # fast dimensions kept
+    assert torch.allclose(scaled[-4:], base[-4:] / 4)  # slow ones interpolated
