@@ -89,7 +89,7 @@ def test_health_grpc_health_v1_and_reflection(forge_server: ForgeProcess) -> Non
     assert {"forge.v1.Forge", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
     forge_file = reflection.FindFileContainingSymbol("forge.v1.Forge")
     assert [m.name for m in forge_file.service[0].method] == ["Generate", "Stream", "Health", "ListModels", "Tokenize",
-                                                             "Detokenize"]
+                                                             "Detokenize", "Embed"]
 
 
 def test_cancelled_stream_frees_its_kv_blocks(idle_server: ForgeProcess) -> None:
