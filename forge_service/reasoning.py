@@ -36,6 +36,8 @@ def _partial_tag(text: str, tag: str) -> int:
 
 
 class ReasoningSplitter:
+    """One completion's text deltas -> (thought, answer) pieces; `in_thought`: the prompt opened it."""
+
     def __init__(self, in_thought: bool = False) -> None:
         # "start": before any text but whitespace (an opening tag may come); "thought"; "answer"
         self._state = "thought" if in_thought else "start"

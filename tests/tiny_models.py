@@ -96,13 +96,16 @@ def tiny_tokenizer_json(vocab_size: int = TINY_VOCAB_SIZE) -> str:
 
 # Hugging Face's name for each architecture Forge serves (ArchConfig.architecture).
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                    "qwen3": "Qwen3ForCausalLM"}
+                    "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 
 
 def variant_arch(architecture: str, **overrides: Any) -> ArchConfig:
-    """tiny_arch for one of Forge's architectures, with the flags its loaders set."""
+    """tiny_arch for one of Forge's architectures, with the flags its loaders set (SmolLM3: its
+    last layer without rotary, unless `nope_layers` says otherwise)."""
     from forge_service.models.arch import VARIANTS
 
+    if architecture == "smollm3":
+        overrides.setdefault("nope_layers", (overrides.get("num_layers", 2) - 1,))
     return tiny_arch(architecture=architecture, **VARIANTS[architecture], **overrides)
 
 
@@ -118,6 +121,9 @@ def hf_config(arch: ArchConfig, **overrides: Any) -> dict[str, Any]:
         "eos_token_id": arch.eos_token_ids[0] if arch.eos_token_ids else None,
         "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
     }
+    if arch.architecture == "smollm3":
+        config["no_rope_layers"] = [0 if i in arch.nope_layers else 1 for i in range(arch.num_layers)]
+        config["pad_token_id"] = None  # its default (128004) is outside a tiny vocabulary
     return config | overrides
 
 
@@ -191,14 +197,14 @@ def write_gguf(
     tensor_qtypes: Mapping[str, str] | None = None, architecture: str | None = None,
     uint32_keys: Mapping[str, int] | None = None,
 ) -> Path:
-    """A llama.cpp-style GGUF: Q/K rows permuted (for "llama"; Qwen's are stored as they are), 1-D
+    """A llama.cpp-style GGUF: Q/K rows permuted (Llama, SmolLM3; Qwen's are stored as they are), 1-D
     tensors F32, matrices in `qtype` (per-HF-name overrides in `tensor_qtypes`). A llama3
     `arch.rope_scaling` becomes a `rope_freqs.weight` tensor, as convert_hf_to_gguf writes it.
     `architecture` is general.architecture (arch.architecture unless given); `uint32_keys`: more
     metadata (e.g. {"qwen3.pooling_type": 3})."""
     architecture = architecture or arch.architecture
     w = gguf.GGUFWriter(str(path), architecture)
-    permute = architecture == "llama"
+    permute = architecture in ("llama", "smollm3")  # convert_hf_to_gguf's LlamaModel and its SmolLM3Model
     _write_arch_metadata(w, arch)
     for key, value in (uint32_keys or {}).items():
         w.add_uint32(key, value)

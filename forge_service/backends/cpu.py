@@ -118,7 +118,7 @@ class CpuBackend:
         if any(w is None or w.native is None for ws in packed for w in ws):
             return None
         plan = [cpu_kernels.DecodeLayer(layer.input_norm, layer.post_norm, *((w.native, w.levels) for w in ws),
-                                        layer.qkv_bias, layer.q_norm, layer.k_norm)
+                                        layer.qkv_bias, layer.q_norm, layer.k_norm, layer.rope)
                 for layer, ws in zip(layers, packed)]
         if not cpu_kernels.DecodePlan.supported(plan, arch.hidden_size, arch.intermediate_size, arch.head_dim):
             return None

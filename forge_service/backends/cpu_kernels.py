@@ -327,7 +327,8 @@ class _Weight(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Weight), ("o", _Weight),
                 ("gate_up", _Weight), ("down", _Weight), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("qkv_bias", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
+                ("qkv_bias", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("rope", ctypes.c_int64)]
 
 
 class _Dims(ctypes.Structure):
@@ -350,6 +351,7 @@ class DecodeLayer:
     qkv_bias: torch.Tensor | None = None  # bf16 [(H + 2 Hkv) hd] (Qwen2)
     q_norm: torch.Tensor | None = None  # bf16 [hd] each (Qwen3)
     k_norm: torch.Tensor | None = None
+    rope: bool = True  # False: no rotary embedding (SmolLM3's NoPE layers)
 
 
 class DecodePlan:
@@ -370,6 +372,7 @@ class DecodePlan:
             row.input_norm = layer.input_norm.data_ptr()
             row.post_norm = layer.post_norm.data_ptr()
             row.qkv_bias, row.q_norm, row.k_norm = _ptr(layer.qkv_bias), _ptr(layer.q_norm), _ptr(layer.k_norm)
+            row.rope = int(layer.rope)
             for name in ("qkv", "o", "gate_up", "down"):
                 w, levels = getattr(layer, name)
                 setattr(row, name, _Weight(w.codes.data_ptr(), w.scale.data_ptr(),

@@ -15,13 +15,13 @@ from forge_service.loaders.common import ROPE_FREQ_FACTORS, Checkpoint, check_ar
 from forge_service.loaders.gguf_file import GGUFFile, Tensor, read_gguf
 from forge_service.loaders.gguf_int4 import INT4_TYPES, int4_weight
 from forge_service.loaders.gguf_int8 import INT8_TYPES, int8_weight
-from forge_service.models.arch import VARIANTS, ArchConfig
+from forge_service.models.arch import VARIANTS, ArchConfig, nope_every
 
 # general.architecture -> model registry key (a Mistral GGUF says "llama").
-SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3"}
 # Whose Q/K rows convert_hf_to_gguf permuted: llama.cpp's Llama rotates adjacent pairs. Qwen's
 # rotary (llama.cpp's NEOX) rotates halves as Hugging Face does, so its rows are stored as they are.
-_PERMUTED_QK = {"llama"}
+_PERMUTED_QK = {"llama", "smollm3"}
 
 # llama.cpp tensor names -> Hugging Face names. Per-layer names are under blk.{i}.
 _GLOBAL_NAMES = {
@@ -137,6 +137,8 @@ def arch_from_gguf(path: str, reader: GGUFFile) -> ArchConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=_eos_ids(meta),
         pooling=_POOLING.get(meta.get(f"{a}.pooling_type", 0), "unknown"),
+        # llama.cpp's SmolLM3: every 4th layer without rotary (not in the file's metadata)
+        nope_layers=nope_every(4, meta.get(f"{a}.block_count")) if name == "smollm3" else (),
         **VARIANTS[SUPPORTED_ARCHITECTURES[name]],
     )
 

@@ -13,12 +13,13 @@ from safetensors import SafetensorError, safe_open
 
 from forge_service.errors import ModelLoadError
 from forge_service.loaders.common import Checkpoint, check_arch, check_tensors, rope_context
-from forge_service.models.arch import VARIANTS, ArchConfig
+from forge_service.models.arch import VARIANTS, ArchConfig, nope_every
 
 # config.json model_type / architectures entry -> model registry key.
-SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                         "smollm3": "smollm3"}
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                           "Qwen3ForCausalLM": "qwen3"}
+                           "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3"}
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 # Buffers older transformers versions saved; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -82,8 +83,22 @@ def arch_from_hf_config(path: str, config: dict[str, Any], generation: dict[str,
         bos_token_id=next(iter(_token_ids(path, config.get("bos_token_id", generation.get("bos_token_id")))), None),
         eos_token_ids=_token_ids(path, generation.get("eos_token_id", config.get("eos_token_id"))),
         pooling=pooling,
+        nope_layers=_nope_layers(path, config, key),
         **VARIANTS[key],
     )
+
+
+def _nope_layers(path: str, config: dict[str, Any], key: str) -> tuple[int, ...]:
+    """SmolLM3's layers without rotary: no_rope_layers[i] == 0, or every no_rope_layer_interval-th."""
+    if key != "smollm3":
+        return ()
+    layers = _int(path, config, "num_hidden_layers")
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        return nope_every(_int(path, config, "no_rope_layer_interval", 4), layers)
+    if not isinstance(flags, list) or len(flags) != layers or any(f not in (0, 1) for f in flags):
+        raise ModelLoadError(path, f"no_rope_layers must list 0 or 1 for each of the {layers} layers")
+    return tuple(i for i, use_rope in enumerate(flags) if not use_rope)
 
 
 def _pooling(root: Path) -> str | None:

@@ -29,16 +29,25 @@ class ArchConfig:
     qkv_bias: bool = False
     # Qwen3: each query and key head is RMS-normalised (q_norm / k_norm, [head_dim]) before rotary.
     qk_norm: bool = False
+    # SmolLM3: the layers whose attention has no rotary embedding at all (NoPE).
+    nope_layers: tuple[int, ...] = ()
     # The pooling an embedding model declares ("last", "mean", "cls", ...): a GGUF's
     # {arch}.pooling_type, a sentence-transformers 1_Pooling/config.json. None: none declared.
     pooling: str | None = None
 
 
 # The architectures Forge serves (the registry's keys), each a Llama decoder plus the ArchConfig
-# flags it sets. Mistral is Llama's layer as it stands (its sliding window is a context limit).
+# flags it sets. Mistral is Llama's layer as it stands (its sliding window is a context limit);
+# SmolLM3's NoPE layers come from its config (nope_layers).
 VARIANTS: dict[str, dict[str, bool]] = {
     "llama": {},
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    "smollm3": {},
 }
+
+
+def nope_every(interval: int, num_layers: int) -> tuple[int, ...]:
+    """SmolLM3's default NoPE layers: every `interval`-th (the 4th, 8th, ... for 4)."""
+    return tuple(i for i in range(num_layers) if (i + 1) % interval == 0)

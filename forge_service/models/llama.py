@@ -27,6 +27,7 @@ class LlamaLayer:
     qkv_bias: torch.Tensor | None = None  # [(H + 2 Hkv) * hd] (Qwen2)
     q_norm: torch.Tensor | None = None  # [hd], each query head's RMSNorm weight (Qwen3)
     k_norm: torch.Tensor | None = None  # [hd], each key head's
+    rope: bool = True  # False: a NoPE layer (SmolLM3), no rotary embedding
 
 
 class LlamaModel:
@@ -94,6 +95,7 @@ class LlamaModel:
             qkv_bias=bias,
             q_norm=w.get(attn + "q_norm.weight"),
             k_norm=w.get(attn + "k_norm.weight"),
+            rope=i not in self.arch.nope_layers,
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -145,7 +147,10 @@ class LlamaModel:
         qk = qk.view(t, a.num_heads + a.num_kv_heads, a.head_dim)
         if layer.q_norm is not None:
             qk = self.backend.head_rms_norm(qk, a.num_heads, layer.q_norm, layer.k_norm, a.rms_norm_eps)
-        q, k = self.backend.rotary(qk, a.num_heads, rope)  # [T, H, hd], [T, Hkv, hd]
+        if layer.rope:
+            q, k = self.backend.rotary(qk, a.num_heads, rope)  # [T, H, hd], [T, Hkv, hd]
+        else:
+            q, k = qk.split([a.num_heads, a.num_kv_heads], dim=1)
         v = v.view(t, a.num_kv_heads, a.head_dim)
         self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = self.backend.attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H * hd]

@@ -7,7 +7,8 @@
  * This file runs the same kernels in the same order, with the same arguments, so its results equal
  * the per-kernel path's bit for bit:
  *
- *   h = norm(x += delta); qkv = h Wqkv (+ bias; q, k heads normalised); rotate q, k; cache k, v;
+ *   h = norm(x += delta); qkv = h Wqkv (+ bias; q, k heads normalised); rotate q, k (but in NoPE
+ *   layers); cache k, v;
  *   o = attention(q); delta = o Wo
  *   h = norm(x += delta); delta = (silu(h Wgate) * h Wup) Wdown
  *
@@ -55,6 +56,7 @@ typedef struct {
     uint16_t *k_cache, *v_cache;
     const uint16_t *qkv_bias;  /* bf16 [Nqkv] (Qwen2), or NULL */
     const uint16_t *q_norm, *k_norm;  /* bf16 [hd] each (Qwen3), or NULL */
+    int64_t rope;  /* 0: a layer without rotary embedding (SmolLM3's NoPE layers) */
 } forge_layer;
 
 typedef struct {
@@ -108,7 +110,7 @@ int forge_decode_layers(const forge_layer *layers, int64_t count, const forge_di
         if ((status = project(&p->qkv, h, T, qkv, threads))) break;
         if (p->qkv_bias) forge_add_bias(qkv, T, Nqkv, Nqkv, p->qkv_bias, threads);
         if (p->q_norm) forge_head_rms_norm(qkv, T, H + Hkv, H, hd, Nqkv, p->q_norm, p->k_norm, dims->eps, threads);
-        forge_rotary(qkv, T, H + Hkv, hd, Nqkv, cos, sin, threads);
+        if (p->rope) forge_rotary(qkv, T, H + Hkv, hd, Nqkv, cos, sin, threads);
         for (int64_t t = 0; t < T; t++) {
             memcpy(p->k_cache + slots[t] * kv, qkv + t * Nqkv + H * hd, sizeof(uint16_t) * (size_t)kv);
             memcpy(p->v_cache + slots[t] * kv, qkv + t * Nqkv + (H + Hkv) * hd, sizeof(uint16_t) * (size_t)kv);

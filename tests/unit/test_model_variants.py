@@ -19,7 +19,7 @@ from tests.tiny_models import (
     gguf_tensor_name, random_weights, tiny_tokenizer_json, variant_arch, write_gguf, write_safetensors_dir,
 )
 
-VARIANTS = ["mistral", "qwen2", "qwen3"]
+VARIANTS = ["mistral", "qwen2", "qwen3", "smollm3"]
 PROMPT = list(range(3, 60))
 
 
@@ -72,6 +72,11 @@ def greedy_decode_equals_transformers(tmp_path: Path, variant: str, device: str 
     if extra:  # what the variant adds moves the logprobs by far more than the tolerance
         _, without = _hf_steps(tmp_path, PROMPT, 12, drop=extra)
         assert max(abs(a - b) for a, b in zip(without, want_logprobs)) > 1e-2
+    if variant == "smollm3":  # with rotary in every layer it answers otherwise
+        roped = tmp_path / "roped"
+        write_safetensors_dir(roped, arch, _weights(arch), tokenizer_json=tiny_tokenizer_json(),
+                              config_overrides={"no_rope_layers": [1] * arch.num_layers})
+        assert max(abs(a - b) for a, b in zip(_hf_steps(roped, PROMPT, 12)[1], want_logprobs)) > 5e-4
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
@@ -135,12 +140,28 @@ def test_a_variant_s_tensors_are_required_and_only_there(tmp_path: Path) -> None
         load_checkpoint(str(write_gguf(tmp_path / "shape.gguf", qwen3, norms)))
 
 
+def test_a_smollm3_gguf_leaves_every_fourth_layer_without_rotary(tmp_path: Path) -> None:
+    # llama.cpp's SmolLM3: Q/K rows permuted as a Llama's, every 4th layer NoPE (not in the metadata)
+    arch = variant_arch("smollm3", num_layers=4, nope_layers=(3,))
+    weights = _weights(arch)
+    path = write_gguf(tmp_path / "m.gguf", arch, weights)
+    ckpt = load_checkpoint(str(path))
+    assert ckpt.arch == arch and all(torch.equal(ckpt.weights[n], weights[n]) for n in ckpt.weights)
+    st = write_safetensors_dir(tmp_path / "st", arch, weights, tokenizer_json=tiny_tokenizer_json())
+    assert _ours(LLM(model=str(path), dtype="float32"), PROMPT, 8)[0] == _hf_steps(st, PROMPT, 8)[0]
+    assert load_checkpoint(str(st)).arch.nope_layers == (3,)
+    bad = write_safetensors_dir(tmp_path / "bad", arch, weights, config_overrides={"no_rope_layers": [1, 0]})
+    with pytest.raises(ModelLoadError, match="no_rope_layers must list 0 or 1 for each of the 4 layers"):
+        load_checkpoint(str(bad))
+
+
 @pytest.mark.skipif(cpu_kernels.library() is None, reason="the native CPU kernels cannot run on this machine")
-@pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3", "smollm3"])
 def test_bf16_fused_step_equals_the_per_kernel_path(tmp_path: Path, variant: str) -> None:
-    # head_dim 64 (the native attention takes multiples of 32); Qwen3's wider than hidden / heads
+    # head_dim 64 (the native attention takes multiples of 32); Qwen3's wider than hidden / heads;
+    # SmolLM3's 4 layers, the last without rotary (a GGUF's every 4th)
     arch = variant_arch(variant, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
-                        head_dim=64 if variant == "qwen3" else 32)
+                        head_dim=64 if variant == "qwen3" else 32, num_layers=4 if variant == "smollm3" else 2)
     weights = _weights(arch)
     path = str(write_gguf(tmp_path / "m.gguf", arch, weights, qtype="Q8_0"))
     llm = LLM(model=path, dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=24)
@@ -148,6 +169,7 @@ def test_bf16_fused_step_equals_the_per_kernel_path(tmp_path: Path, variant: str
     assert model.decode_plan is not None
     extras = [(layer.qkv_bias, layer.q_norm) for layer in model.layers]
     assert all((b is not None) == (variant == "qwen2") and (n is not None) == (variant == "qwen3") for b, n in extras)
+    assert [layer.rope for layer in model.layers] == [True] * (arch.num_layers - 1) + [variant != "smollm3"]
     prompts = [list(range(3 + i, 3 + i + 9 + 11 * i)) for i in range(5)]  # chunks beside decodes
     params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True, logprobs=3) for i in range(5)]
 
