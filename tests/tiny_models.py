@@ -96,7 +96,7 @@ def tiny_tokenizer_json(vocab_size: int = TINY_VOCAB_SIZE) -> str:
 
 # Hugging Face's name for each architecture Forge serves (ArchConfig.architecture).
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                    "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                    "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def variant_arch(architecture: str, **overrides: Any) -> ArchConfig:
@@ -123,7 +123,8 @@ def hf_config(arch: ArchConfig, **overrides: Any) -> dict[str, Any]:
     }
     if arch.architecture == "smollm3":
         config["no_rope_layers"] = [0 if i in arch.nope_layers else 1 for i in range(arch.num_layers)]
-        config["pad_token_id"] = None  # its default (128004) is outside a tiny vocabulary
+    if arch.architecture in ("smollm3", "phi3"):
+        config["pad_token_id"] = None  # their defaults (128004, 32000) are outside a tiny vocabulary
     return config | overrides
 
 

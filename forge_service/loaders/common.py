@@ -8,6 +8,7 @@ import torch
 
 from forge_service.backends.base import Int4Weight, Int8Weight
 from forge_service.errors import ModelLoadError
+from forge_service.layers.rotary import ROPE_SCALINGS
 from forge_service.models.arch import ArchConfig
 
 # llama.cpp's per-dimension rope divisors (llama3 rope scaling), kept float32 and 1-D.
@@ -57,6 +58,10 @@ def expected_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (f, d),
             p + "mlp.down_proj.weight": (d, f),
         }
+        if arch.fused_projections:
+            for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+                del shapes[p + name + ".weight"]
+            shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, d), p + "mlp.gate_up_proj.weight": (2 * f, d)}
         if arch.qkv_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
@@ -89,6 +94,10 @@ def check_arch(path: str, arch: ArchConfig) -> ArchConfig:
             raise ModelLoadError(path, f"{name} must be a positive number, not {value!r}")
     if arch.num_heads % arch.num_kv_heads:
         raise ModelLoadError(path, f"{arch.num_heads} heads do not group evenly over {arch.num_kv_heads} KV heads")
+    kind = (arch.rope_scaling or {}).get("rope_type") or "default"
+    if kind not in ROPE_SCALINGS:  # e.g. Phi-3.5's longrope
+        supported = ", ".join(sorted(ROPE_SCALINGS))
+        raise ModelLoadError(path, f"rope scaling {kind!r} is not supported; supported: {supported}")
     return arch
 
 

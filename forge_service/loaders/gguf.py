@@ -18,7 +18,8 @@ from forge_service.loaders.gguf_int8 import INT8_TYPES, int8_weight
 from forge_service.models.arch import VARIANTS, ArchConfig, nope_every
 
 # general.architecture -> model registry key (a Mistral GGUF says "llama").
-SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3"}
+SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3",
+                           "phi3": "phi3"}
 # Whose Q/K rows convert_hf_to_gguf permuted: llama.cpp's Llama rotates adjacent pairs. Qwen's
 # rotary (llama.cpp's NEOX) rotates halves as Hugging Face does, so its rows are stored as they are.
 _PERMUTED_QK = {"llama", "smollm3"}
@@ -49,6 +50,12 @@ _LAYER_NAMES = {
 
 # llama.cpp's pooling types (`{arch}.pooling_type`) -> ArchConfig.pooling; 0 is none declared.
 _POOLING = {0: None, 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+# A fused-projection model's (Phi-3's) layer names, where they differ: its ffn_up holds gate and up.
+_FUSED_LAYER_NAMES = {
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
 
 # GGUF `{arch}.rope.scaling.*` keys -> HF rope_scaling keys.
 _ROPE_SCALING_KEYS = {
@@ -88,7 +95,7 @@ def load_gguf(path: str, dtype: torch.dtype, lazy_coded: bool = False) -> Checkp
     Checkpoint.decoders): half of loading the default model, and its largest transient memory."""
     reader = read_gguf(path)
     arch = check_arch(path, arch_from_gguf(path, reader))
-    tensors = {_hf_name(path, t.name): t for t in reader.tensors}
+    tensors = {_hf_name(path, t.name, arch.fused_projections): t for t in reader.tensors}
     check_tensors(path, arch, {n: tuple(reversed(t.shape.tolist())) for n, t in tensors.items()},
                   display=lambda n: f"{gguf_name(n)} ({n})")
     _check_types(path, tensors.values())
@@ -118,6 +125,9 @@ def arch_from_gguf(path: str, reader: GGUFFile) -> ArchConfig:
         raise ModelLoadError(path, f"embedding_length {hidden!r} and head_count {heads!r} must be positive integers")
     head_dim = meta.get(f"{a}.attention.key_length", hidden // heads)
     context, rope_scaling = rope_context(meta.get(f"{a}.context_length"), _rope_scaling(meta, a))
+    window = meta.get(f"{a}.attention.sliding_window", None)  # Phi-3 mini's 2047: exact within it
+    if isinstance(window, int) and isinstance(context, int) and 0 < window < context:
+        context = window
     if meta.get(f"{a}.rope.dimension_count", head_dim) != head_dim:
         raise ModelLoadError(path, "partial rotary embeddings (rope.dimension_count != head_dim) are not supported")
     return ArchConfig(
@@ -194,12 +204,13 @@ def _eos_ids(meta: _Metadata) -> tuple[int, ...]:
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
-def _hf_name(path: str, name: str) -> str:
+def _hf_name(path: str, name: str, fused: bool = False) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    layer_names = {**_LAYER_NAMES, **_FUSED_LAYER_NAMES} if fused else _LAYER_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
     raise ModelLoadError(path, f"unexpected tensor {name}: not part of a model Forge serves")
 
 
@@ -209,7 +220,8 @@ def gguf_name(hf_name: str) -> str:
         if hname == hf_name:
             return gname
     _, _, layer, rest = hf_name.split(".", 3)
-    return f"blk.{layer}." + next(g for g, h in _LAYER_NAMES.items() if h == rest)
+    names = [*_LAYER_NAMES.items(), *_FUSED_LAYER_NAMES.items()]
+    return f"blk.{layer}." + next(g for g, h in names if h == rest)
 
 
 def _check_types(path: str, tensors: Any) -> None:

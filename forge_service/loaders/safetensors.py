@@ -17,9 +17,9 @@ from forge_service.models.arch import VARIANTS, ArchConfig, nope_every
 
 # config.json model_type / architectures entry -> model registry key.
 SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                         "smollm3": "smollm3"}
+                         "smollm3": "smollm3", "phi3": "phi3"}
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                           "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3"}
+                           "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3", "Phi3ForCausalLM": "phi3"}
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 # Buffers older transformers versions saved; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -139,6 +139,9 @@ def _rope(path: str, config: dict[str, Any]) -> tuple[float, dict[str, Any] | No
     theta = params.get("rope_theta", 10000.0) if theta is None else theta
     scaling = dict(config.get("rope_scaling") or params)
     scaling.pop("rope_theta", None)
+    partial = config.get("partial_rotary_factor", scaling.pop("partial_rotary_factor", 1.0))
+    if partial != 1:  # Phi-4-mini's 0.75: part of each head unrotated
+        raise ModelLoadError(path, f"partial rotary embeddings (partial_rotary_factor {partial}) are not supported")
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:

@@ -31,6 +31,9 @@ class ArchConfig:
     qk_norm: bool = False
     # SmolLM3: the layers whose attention has no rotary embedding at all (NoPE).
     nope_layers: tuple[int, ...] = ()
+    # Phi-3: the checkpoint holds q, k, v as one qkv_proj and gate, up as one gate_up_proj (in the
+    # order Forge fuses them anyway).
+    fused_projections: bool = False
     # The pooling an embedding model declares ("last", "mean", "cls", ...): a GGUF's
     # {arch}.pooling_type, a sentence-transformers 1_Pooling/config.json. None: none declared.
     pooling: str | None = None
@@ -45,6 +48,7 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
     "smollm3": {},
+    "phi3": {"fused_projections": True},
 }
 
 

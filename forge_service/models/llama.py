@@ -85,12 +85,15 @@ class LlamaModel:
         bias = None
         if self.arch.qkv_bias:
             bias = torch.cat([w[attn + f"{x}_proj.bias"] for x in "qkv"]).contiguous()
+        prefused = self.arch.fused_projections  # Phi-3's checkpoint fused them itself
         return LlamaLayer(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv=linear(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+            qkv=linear(attn + "qkv_proj.weight") if prefused else
+            linear(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
             o_proj=linear(attn + "o_proj.weight"),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=linear(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+            gate_up=linear(mlp + "gate_up_proj.weight") if prefused else
+            linear(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
             down=linear(mlp + "down_proj.weight"),
             qkv_bias=bias,
             q_norm=w.get(attn + "q_norm.weight"),

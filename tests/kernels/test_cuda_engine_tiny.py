@@ -1,7 +1,7 @@
 """GPU: the engine tests on tiny models (tests/unit/test_engine_tiny.py, test_speculative_engine.py,
 test_prompt_logprobs.py, test_structured_engine.py, and the sampling controls and priority tests:
 test_min_tokens.py, test_bad_words.py, test_allowed_tokens.py, test_priority.py, and the Mistral, Qwen2,
-Qwen3 and SmolLM3 checkpoints of test_model_variants.py) on the CUDA backend, on models whose head_dim
+Qwen3, SmolLM3 and Phi-3 checkpoints of test_model_variants.py) on the CUDA backend, on models whose head_dim
 (64) the GPU's decode kernel takes: greedy decoding against transformers across chunks, batch against
 solo under preemption, n and seeds, stops, prefix-cache hits (a block's first tokens copied; a
 prompt's last token alone); prompt logprobs over a cached prompt and under preemption; speculation's
@@ -90,7 +90,7 @@ test_the_output_has_only_the_allowed_tokens = allowed_tests.test_the_output_has_
 test_preempted_low_priority_output_is_unchanged = priority_tests.test_preempted_low_priority_output_is_unchanged
 
 
-@pytest.mark.parametrize("variant", ["mistral", "qwen2", "qwen3", "smollm3"])
+@pytest.mark.parametrize("variant", ["mistral", "qwen2", "qwen3", "smollm3", "phi3"])
 def test_each_architecture_decodes_as_transformers(tmp_path, variant):
     # Qwen2's biases and Qwen3's head norms are torch ops on this backend, in its decode graphs
     variant_tests.greedy_decode_equals_transformers(tmp_path, variant, device=DEVICE, **GPU_SIZES)

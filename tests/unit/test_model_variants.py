@@ -19,7 +19,7 @@ from tests.tiny_models import (
     gguf_tensor_name, random_weights, tiny_tokenizer_json, variant_arch, write_gguf, write_safetensors_dir,
 )
 
-VARIANTS = ["mistral", "qwen2", "qwen3", "smollm3"]
+VARIANTS = ["mistral", "qwen2", "qwen3", "smollm3", "phi3"]
 PROMPT = list(range(3, 60))
 
 
@@ -156,7 +156,7 @@ def test_a_smollm3_gguf_leaves_every_fourth_layer_without_rotary(tmp_path: Path)
 
 
 @pytest.mark.skipif(cpu_kernels.library() is None, reason="the native CPU kernels cannot run on this machine")
-@pytest.mark.parametrize("variant", ["qwen2", "qwen3", "smollm3"])
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3", "smollm3", "phi3"])
 def test_bf16_fused_step_equals_the_per_kernel_path(tmp_path: Path, variant: str) -> None:
     # head_dim 64 (the native attention takes multiples of 32); Qwen3's wider than hidden / heads;
     # SmolLM3's 4 layers, the last without rotary (a GGUF's every 4th)
@@ -221,3 +221,31 @@ def test_yarn_attention_factor_and_its_defaults() -> None:
                                                "original_max_position_embeddings": 4096})
     assert torch.equal(scaled[:4], base[:4])  # fast dimensions kept
     assert torch.allclose(scaled[-4:], base[-4:] / 4)  # slow ones interpolated
+
+
+def test_a_phi3_gguf_keeps_its_fused_projections_and_its_sliding_window(tmp_path: Path) -> None:
+    # llama.cpp's Phi-3: attn_qkv and ffn_up (gate and up) as the checkpoint fused them, rows as
+    # they are (NEOX rotary), and the window of attention.sliding_window (Phi-3 mini's 2047)
+    arch = variant_arch("phi3", tie_word_embeddings=False)
+    weights = _weights(arch)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in weights and "model.layers.0.mlp.up_proj.weight" not in weights
+    path = write_gguf(tmp_path / "m.gguf", arch, weights)
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    assert {"blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"} <= names and "blk.0.attn_q.weight" not in names
+    ckpt = load_checkpoint(str(path))
+    assert ckpt.arch == arch and all(torch.equal(ckpt.weights[n], weights[n]) for n in ckpt.weights)
+    st = write_safetensors_dir(tmp_path / "st", arch, weights, tokenizer_json=tiny_tokenizer_json())
+    assert _ours(LLM(model=str(path), dtype="float32"), PROMPT, 8)[0] == _hf_steps(st, PROMPT, 8)[0]
+    windowed = write_gguf(tmp_path / "w.gguf", arch, weights, uint32_keys={"phi3.attention.sliding_window": 64})
+    assert load_checkpoint(str(windowed)).arch.max_position_embeddings == 64
+
+
+def test_partial_rotary_embeddings_and_longrope_are_refused_by_name(tmp_path: Path) -> None:
+    arch = variant_arch("phi3")
+    root = write_safetensors_dir(tmp_path, arch, _weights(arch), config_overrides={"partial_rotary_factor": 0.75})
+    with pytest.raises(ModelLoadError, match=r"partial rotary embeddings \(partial_rotary_factor 0.75\)"):
+        load_checkpoint(str(root))
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    root = write_safetensors_dir(tmp_path / "long", arch, _weights(arch), config_overrides={"rope_scaling": longrope})
+    with pytest.raises(ModelLoadError, match="rope scaling 'longrope' is not supported; supported: default, linear"):
+        load_checkpoint(str(root))
