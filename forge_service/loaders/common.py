@@ -1,6 +1,7 @@
 """What every loader returns, and the checks that make a checkpoint safe to hand to a model."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -10,6 +11,8 @@ from forge_service.backends.base import Int4Weight, Int8Weight
 from forge_service.errors import ModelLoadError
 from forge_service.layers.rotary import ROPE_SCALINGS
 from forge_service.models.arch import ArchConfig
+
+log = logging.getLogger(__name__)
 
 # llama.cpp's per-dimension rope divisors (llama3 rope scaling), kept float32 and 1-D.
 ROPE_FREQ_FACTORS = "model.rope_freq_factors"
@@ -79,6 +82,18 @@ def rope_context(max_positions: int, scaling: dict[str, Any] | None) -> tuple[in
     scaling = {**scaling, "original_max_position_embeddings": scaling.get("original_max_position_embeddings")
                or max_positions}
     return max(max_positions, int(scaling["original_max_position_embeddings"] * float(scaling["factor"]))), scaling
+
+
+def windowed_context(path: str, length: Any, window: int | None) -> Any:
+    """The context `length`, capped at a sliding attention window where the model uses one
+    (Mistral 7B v0.1's 4,096, Qwen2's with use_sliding_window, Phi-3 mini's 2,047): within the
+    window every token sees its whole context, so the model is served exactly, on no more context
+    than its window. (A bad `length` is check_arch's to name.)"""
+    if window is None or not isinstance(length, int) or window >= length:
+        return length
+    log.warning("%s: a sliding attention window of %d tokens; the context is capped there (of %d)",
+                path, window, length)
+    return window
 
 
 def check_arch(path: str, arch: ArchConfig) -> ArchConfig:

@@ -11,7 +11,8 @@ from gguf import GGMLQuantizationType as QType
 
 from forge_service.backends.base import Int4Weight, Int8Weight
 from forge_service.errors import ModelLoadError
-from forge_service.loaders.common import ROPE_FREQ_FACTORS, Checkpoint, check_arch, check_tensors, rope_context
+from forge_service.loaders.common import ROPE_FREQ_FACTORS, Checkpoint, check_arch, check_tensors, rope_context, \
+    windowed_context
 from forge_service.loaders.gguf_file import GGUFFile, Tensor, read_gguf
 from forge_service.loaders.gguf_int4 import INT4_TYPES, int4_weight
 from forge_service.loaders.gguf_int8 import INT8_TYPES, int8_weight
@@ -125,9 +126,8 @@ def arch_from_gguf(path: str, reader: GGUFFile) -> ArchConfig:
         raise ModelLoadError(path, f"embedding_length {hidden!r} and head_count {heads!r} must be positive integers")
     head_dim = meta.get(f"{a}.attention.key_length", hidden // heads)
     context, rope_scaling = rope_context(meta.get(f"{a}.context_length"), _rope_scaling(meta, a))
-    window = meta.get(f"{a}.attention.sliding_window", None)  # Phi-3 mini's 2047: exact within it
-    if isinstance(window, int) and isinstance(context, int) and 0 < window < context:
-        context = window
+    window = meta.get(f"{a}.attention.sliding_window", None)
+    context = windowed_context(path, context, window if isinstance(window, int) and window > 0 else None)
     if meta.get(f"{a}.rope.dimension_count", head_dim) != head_dim:
         raise ModelLoadError(path, "partial rotary embeddings (rope.dimension_count != head_dim) are not supported")
     return ArchConfig(

@@ -3,7 +3,6 @@ single-file or sharded through model.safetensors.index.json."""
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from forge_service.errors import ModelLoadError
-from forge_service.loaders.common import Checkpoint, check_arch, check_tensors, rope_context
+from forge_service.loaders.common import Checkpoint, check_arch, check_tensors, rope_context, windowed_context
 from forge_service.models.arch import VARIANTS, ArchConfig, nope_every
 
 # config.json model_type / architectures entry -> model registry key.
@@ -26,8 +25,6 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 # sentence-transformers' pooling modes -> ArchConfig.pooling (others keep their own names)
 _POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
-
-log = logging.getLogger(__name__)
 
 
 def load_safetensors(path: str, dtype: torch.dtype) -> Checkpoint:
@@ -65,7 +62,7 @@ def arch_from_hf_config(path: str, config: dict[str, Any], generation: dict[str,
     hidden, heads = _int(path, config, "hidden_size"), _int(path, config, "num_attention_heads")
     rope_theta, rope_scaling = _rope(path, config)
     context, rope_scaling = rope_context(_int(path, config, "max_position_embeddings", 2048), rope_scaling)
-    context = _context(path, config, context)
+    context = windowed_context(path, context, _window(path, config))
     return ArchConfig(
         architecture=key,
         vocab_size=_int(path, config, "vocab_size"),
@@ -109,17 +106,11 @@ def _pooling(root: Path) -> str | None:
     return "+".join(chosen) or None
 
 
-def _context(path: str, config: dict[str, Any], length: int) -> int:
-    """The context `length`, capped at a sliding attention window where the model uses one
-    (Mistral 7B v0.1's 4,096; Qwen2's with use_sliding_window): within the window every token sees
-    its whole context, so the model is served exactly, on no more context than its window."""
+def _window(path: str, config: dict[str, Any]) -> int | None:
+    """The sliding attention window the model uses, if any (use_sliding_window false: none)."""
     if config.get("sliding_window") is None or not config.get("use_sliding_window", True):
-        return length
-    window = _int(path, config, "sliding_window")
-    if window < length:
-        log.warning("%s: a sliding attention window of %d tokens; the context is capped there (of %d)",
-                    path, window, length)
-    return min(length, window)
+        return None
+    return _int(path, config, "sliding_window")
 
 
 def _registry_key(path: str, config: dict[str, Any]) -> str:
