@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from forge_service import reasoning
 from forge_service.engine.request import SamplingParams
@@ -73,9 +73,8 @@ def output_processor(request: pb.GenerateRequest, request_id: str, setup: ToolSe
     tail = tokenizer.decode(list(prompt[-16:]), skip_special_tokens=False) if split else ""
     in_thought = reasoning.prompt_opens_thought(tail)
     include = not request.HasField("include_reasoning") or request.include_reasoning
-    close = tokenizer.encode(reasoning.CLOSE, add_special_tokens=False) if split else []
     return OutputProcessor(request_id, setup, schema, reasoning=split, in_thought=in_thought, include_reasoning=include,
-                           close_token=close[0] if len(close) == 1 else None)
+                           close_token=reasoning.close_token(tokenizer) if split else None)
 
 
 def sampling_params(request: pb.GenerateRequest, setup: ToolSetup | None = None) -> SamplingParams:
@@ -177,9 +176,7 @@ def input_token_ids(request: pb.GenerateRequest, tokenizer: Any, setup: ToolSetu
                                          **_template_kwargs(request.chat)))
     elif kind == "token_ids":
         ids = list(request.token_ids.ids)
-        bad = next((i for i in ids if i >= tokenizer.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(f"token_ids has id {bad}, outside the vocabulary [0, {tokenizer.vocab_size})")
+        check_vocabulary(ids, tokenizer.vocab_size, "token_ids has id")
     else:
         raise InvalidArgument("the request has no input: set one of text, chat or token_ids")
     if not ids:
@@ -224,12 +221,16 @@ def _template_kwargs(chat: pb.ChatInput) -> dict[str, Any]:
     return kwargs
 
 
+def check_vocabulary(ids: Iterable[int], vocab_size: int, what: str, field: str | None = None) -> None:
+    """InvalidArgument "<what> <id>, outside the vocabulary [0, vocab_size)" for the first id past it."""
+    bad = next((i for i in ids if i >= vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"{what} {bad}, outside the vocabulary [0, {vocab_size})", field=field)
+
+
 def detokenized(request: pb.DetokenizeRequest, tokenizer: Any) -> str:
     """The text of a Detokenize request's token ids."""
-    bad = next((i for i in request.token_ids if i >= tokenizer.vocab_size), None)
-    if bad is not None:
-        raise InvalidArgument(f"token_ids has id {bad}, outside the vocabulary [0, {tokenizer.vocab_size})",
-                              field="token_ids")
+    check_vocabulary(request.token_ids, tokenizer.vocab_size, "token_ids has id", field="token_ids")
     skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
     return tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
 

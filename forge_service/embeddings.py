@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from forge_service.convert import check_vocabulary
 from forge_service.engine.request import SamplingParams
 from forge_service.errors import InvalidArgument
 
@@ -47,10 +48,7 @@ def input_token_ids(index: int, item: Any, tokenizer: Any, max_model_len: int) -
         ids = list(tokenizer.encode(item.text)) if item.text else []
     elif kind == "token_ids":
         ids = list(item.token_ids.ids)
-        bad = next((i for i in ids if i >= tokenizer.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(f"{field} has token id {bad}, outside the vocabulary [0, {tokenizer.vocab_size})",
-                                  field=field)
+        check_vocabulary(ids, tokenizer.vocab_size, f"{field} has token id", field=field)
     else:
         raise InvalidArgument(f"{field} is empty: set text or token_ids", field=field)
     if not ids:

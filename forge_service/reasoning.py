@@ -12,6 +12,9 @@ as the whole text does.
 """
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 OPEN, CLOSE = "<think>", "</think>"
 MODES = ("auto", "think", "off")  # --reasoning-parser
 
@@ -20,6 +23,14 @@ def parses_reasoning(mode: str, template_source: str | None) -> bool:
     """Whether chat completions are split: "think" always, "off" never, "auto" when the model's
     chat template knows the closing tag."""
     return mode == "think" or (mode == "auto" and CLOSE in (template_source or ""))
+
+
+@functools.lru_cache(maxsize=4)
+def close_token(tokenizer: Any) -> int | None:
+    """The id of </think> where the tokenizer makes it one token (Qwen3's, DeepSeek-R1's), else
+    None; worked out once per tokenizer, not per request."""
+    ids = tokenizer.encode(CLOSE, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
 
 
 def prompt_opens_thought(prompt_tail: str) -> bool:
