@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
@@ -36,6 +37,9 @@ def require_ports(config: object, *names: str) -> None:
             raise ValueError(f"{name} must be a port number (0 to 65535), got {value}")
 
 
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     # Path to a .gguf file or a Hugging Face directory; None means the default model.
@@ -47,9 +51,30 @@ class ModelConfig:
     # Name under which the model is served; None derives it from the file name.
     served_model_name: str | None = None
     device: str = "cpu"
+    # LoRA adapters served beside the model, "NAME=PATH[,NAME=PATH...]" (PEFT directories); a
+    # request names one as its model. None: none.
+    lora_modules: str | None = None
+    # The largest adapter rank accepted at load.
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
-        require_at_least(self, 1, "max_model_len")
+        require_at_least(self, 1, "max_model_len", "max_lora_rank")
+        self.lora_paths()  # raises ValueError for a malformed list
+
+    def lora_paths(self) -> dict[str, str]:
+        """lora_modules as {name: path}, in the order given; ValueError naming what is wrong."""
+        modules: dict[str, str] = {}
+        for item in filter(None, (part.strip() for part in (self.lora_modules or "").split(","))):
+            name, sep, path = (part.strip() for part in item.partition("="))
+            if not sep or not path:
+                raise ValueError(f"lora_modules: {item!r} is not NAME=PATH")
+            if not _ADAPTER_NAME.fullmatch(name):
+                raise ValueError(f"lora_modules: adapter name {name!r} must be 1 to 128 letters, digits or ._:/- "
+                                 "(the first a letter or digit)")
+            if name in modules:
+                raise ValueError(f"lora_modules: adapter name {name!r} is given twice")
+            modules[name] = path
+        return modules
 
 
 @dataclass(frozen=True)

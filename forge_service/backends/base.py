@@ -108,6 +108,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, Lmax] bool, True = attend
     decode_lens: torch.Tensor | None = None  # [D] int32 context lengths, the mask's own
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # LoRA: (adapter, its rows [M] int64) for each adapter some of the step's rows take (the
+    # model's 1-based adapter index); empty when no row does.
+    lora: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 class FusedDecode(Protocol):
@@ -173,6 +176,14 @@ class Backend(Protocol):
         """RMSNorm of each head of qk [T, H + Hkv, hd] (the query heads, then the key heads) with
         q_weight or k_weight [hd] (Qwen3), rms_norm's roundings -> [T, H + Hkv, hd]. qk is the
         step's fresh projection: a backend may normalise it in place."""
+        ...
+
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, a: torch.Tensor,
+                 bt: torch.Tensor) -> None:
+        """A LoRA adapter's update, in place: y[rows] += (x[rows] @ a.T) @ bt for y [T, N] (a
+        projection's fresh output), x [T, K] (its input), rows int64 [M], a [R, K] and bt [R, N]
+        fp32 (the adapter's scale folded into bt). Each listed row's result depends on that row
+        alone."""
         ...
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

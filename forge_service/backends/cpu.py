@@ -59,6 +59,13 @@ class CpuBackend:
         return torch_ref.head_rms_norm(qk, num_heads, q_weight, k_weight, eps)
 
     @staticmethod
+    def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> None:
+        if cpu_kernels.lora_supported(y, x, a):
+            cpu_kernels.lora_add_(y, x, rows, a, bt)
+        else:
+            torch_ref.lora_add(y, x, rows, a, bt)
+
+    @staticmethod
     def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         if cpu_kernels.silu_mul_supported(gate_up):
             return cpu_kernels.silu_mul(gate_up)

@@ -80,6 +80,7 @@ def library() -> ctypes.CDLL | None:
     lib.forge_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, flag]
     lib.forge_add_bias.argtypes = [ptr, i64, i64, i64, ptr, flag]
     lib.forge_head_rms_norm.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, f32, flag]
+    lib.forge_lora_add.argtypes = [ptr, flag, i64, ptr, i64, i64, ptr, i64, ptr, i64, ptr, flag, i64, flag]
     lib.forge_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr, flag]
     lib.forge_prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, flag]
     lib.forge_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, ptr,
@@ -87,7 +88,8 @@ def library() -> ctypes.CDLL | None:
     for name in ("forge_q4_linear", "forge_q8_linear", "forge_decode_attention", "forge_prefill_attention",
                  "forge_decode_layers"):
         getattr(lib, name).restype = ctypes.c_int
-    for name in ("forge_add_rms_norm", "forge_silu_mul", "forge_rotary", "forge_add_bias", "forge_head_rms_norm"):
+    for name in ("forge_add_rms_norm", "forge_silu_mul", "forge_rotary", "forge_add_bias", "forge_head_rms_norm",
+                 "forge_lora_add"):
         getattr(lib, name).restype = None
     return lib
 
@@ -271,6 +273,26 @@ def head_rms_norm_(qk: torch.Tensor, split: int, first: torch.Tensor, rest: torc
     t, heads, hd = qk.shape
     library().forge_head_rms_norm(qk.data_ptr(), t, heads, split, hd, qk.stride(0), first.data_ptr(),
                                   rest.data_ptr(), eps, torch.get_num_threads())
+
+
+MAX_LORA_RANK = 256  # ops.c's MAX_LORA_RANK
+
+
+def lora_supported(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether forge_lora_add takes y [T, N] and x [T, K] (bf16 or fp32, rows contiguous) with A [R, K]."""
+    return (library() is not None and all(t.dtype in (torch.bfloat16, torch.float32) and t.stride(-1) == 1
+                                          for t in (y, x)) and x.shape[1] % 16 == 0 and y.shape[1] % 16 == 0
+            and a.shape[0] <= MAX_LORA_RANK)
+
+
+def lora_add_(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> None:
+    """y[rows] += (x[rows] @ a.T) @ bt in fp32, in place, each row on its own (a row's result does not
+    depend on the others listed): a [R, K] and bt [R, N] fp32 contiguous, rows int64."""
+    assert a.dtype == bt.dtype == torch.float32 and a.is_contiguous() and bt.is_contiguous()
+    assert rows.dtype == torch.int64 and rows.is_contiguous()
+    library().forge_lora_add(x.data_ptr(), _bf16(x), x.stride(0), rows.data_ptr(), rows.shape[0], x.shape[1],
+                             a.data_ptr(), a.shape[0], bt.data_ptr(), bt.shape[1], y.data_ptr(), _bf16(y), y.stride(0),
+                             torch.get_num_threads())
 
 
 def _head_dim_supported(hd: int) -> bool:

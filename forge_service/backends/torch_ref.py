@@ -27,6 +27,11 @@ def head_rms_norm(qk: torch.Tensor, num_heads: int, q_weight: torch.Tensor, k_we
     return torch.cat([rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)], dim=1)
 
 
+def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> None:
+    # y[rows] += (x[rows] @ a.T) @ bt, in fp32 and rounded once to y's dtype
+    y[rows] = (y[rows].float() + (x[rows].float() @ a.T) @ bt).to(y.dtype)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)  # [T, F] each
     return F.silu(gate) * up

@@ -18,6 +18,8 @@ from forge_service.engine.request import Request, RequestStatus, SamplingParams
 from forge_service.engine.outputs import ScheduledChunk, SchedulerOutput
 from forge_service.engine.scheduler import Scheduler
 from forge_service.errors import CONTEXT_LENGTH_EXCEEDED, InvalidArgument, QueueFull, Unsupported
+from forge_service import lora
+from forge_service.kv_cache.block_hash import ROOT, chain_root
 from forge_service.kv_cache.manager import KVCacheManager
 from forge_service.loaders import Checkpoint, default_model_path, load_checkpoint
 from forge_service.models.registry import build_model
@@ -121,6 +123,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative, getattr(plan, "max_rows", None),
                                    getattr(plan, "row_block", 1))
         self.model_name = config.model.served_model_name or _name_from_path(path)
+        self.adapters = self._load_adapters(config, backend)  # LoRA adapter name -> 1-based index
         self.eos_token_ids = tuple(self.arch.eos_token_ids or self.tokenizer.eos_token_ids)
         # Structured output: masks are as wide as the logits; the backend is built on first compile.
         self.grammar_compiler = GrammarCompiler(
@@ -136,6 +139,18 @@ class LLMEngine:
         self.observer: EngineObserver = NullObserver()
         log.info("loaded %s (%s) in %.1fs: %d KV blocks of %d tokens", path, self.dtype,
                  time.perf_counter() - started, self.runner.num_blocks, config.cache.block_size)
+
+    def _load_adapters(self, config: EngineConfig, backend) -> dict[str, int]:
+        paths = config.model.lora_paths()
+        if paths and backend.device.type != "cpu":
+            raise ValueError("LoRA adapters (--lora-modules) are served on the CPU backend only")
+        for name, path in paths.items():
+            if name == self.model_name:
+                raise ValueError(f"lora_modules: adapter name {name!r} is the served model's own name")
+            adapter = lora.load_adapter(name, path, self.arch, config.model.max_lora_rank)
+            self.model.adapters.append(adapter)
+            log.info("LoRA adapter %s from %s: rank %d, %d modules", name, path, adapter.rank, adapter.num_modules)
+        return {name: i + 1 for i, name in enumerate(paths)}
 
     # ---- requests in ----
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -177,6 +192,8 @@ class LLMEngine:
             bad_word_ids=limits.bad_words, allowed_token_index=limits.allowed,
             max_model_len=self.max_model_len, parent_id=request_id, index=index, label=label,
             seed=None if params.seed is None else params.seed + index,
+            adapter=self.adapters.get(params.adapter, 0),
+            cache_root=chain_root(params.adapter.encode()) if params.adapter else ROOT,
             # The prompt is the same for every completion: the first computes its logprobs.
             prompt_logprobs={} if params.prompt_logprobs is not None and index == 0 else None,
         )
@@ -192,6 +209,10 @@ class LLMEngine:
         """Raise InvalidArgument for bad parameters or a request that cannot fit; thread-safe
         (reads only state fixed at load time)."""
         params.validate(self.arch.vocab_size)
+        if params.adapter is not None and params.adapter not in self.adapters:
+            loaded = ", ".join(map(repr, self.adapters)) or "none"
+            raise InvalidArgument(f"LoRA adapter {params.adapter!r} is not loaded here (loaded: {loaded})",
+                                  field="adapter")
         if params.priority and self.config.scheduler.scheduling_policy != "priority":
             raise InvalidArgument(f"priority {params.priority} needs the server's priority scheduling "
                                   "(--scheduling-policy priority); this one serves requests in arrival order",

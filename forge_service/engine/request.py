@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from forge_service.errors import InvalidArgument
+from forge_service.kv_cache.block_hash import ROOT
 
 if TYPE_CHECKING:  # the structured package pulls in torch; requests stay plain Python
     import torch
@@ -64,6 +65,8 @@ class SamplingParams:
     # the final hidden state of the prompt's last token (after the model's final norm, fp32) in
     # CompletionOutput.embedding. It takes n 1 and max_tokens 1; the token itself is a by-product.
     embed: bool = False
+    # The LoRA adapter to apply (a name the server loaded with --lora-modules); None: the base model.
+    adapter: str | None = None
 
     MAX_LOGPROBS = 20
     MAX_BAD_WORDS = 64
@@ -211,6 +214,10 @@ class Request:
     # The client's id for logs and traces (X-Request-Id, gRPC request_id): never a key, may repeat.
     label: str = ""
     seed: int | None = None  # this completion's seed (the parent's seed offset by index)
+    adapter: int = 0  # the model's LoRA adapter for it (1-based index into LlamaModel.adapters); 0: none
+    # Where its prefix-cache key chain starts: the root for the base model, one of the adapter's
+    # own otherwise (an adapter's KV differs from the base model's for the same tokens).
+    cache_root: bytes = ROOT
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -140,7 +140,8 @@ class Scheduler:
             self.kv.copy_done(request.request_id)
         if not chunk.samples:
             request.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids_slice)
+            self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids_slice,
+                                   request.cache_root)
             return 0
         assert token_ids is not None, f"no token sampled for {request.request_id}"
         tokens = [token_ids] if isinstance(token_ids, int) else token_ids
@@ -162,7 +163,8 @@ class Scheduler:
         request.num_computed_tokens = request.num_tokens - 1
         if drafted:
             self.kv.trim(request.request_id, request.num_computed_tokens)
-        self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids_slice)
+        self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids_slice,
+                               request.cache_root)
         # The next step writes the last token's KV; if the cache cannot hold it, stop here.
         if not request.status.finished and not self.can_ever_fit(request.num_tokens):
             request.status = RequestStatus.FINISHED_LENGTH
@@ -276,7 +278,7 @@ class Scheduler:
         # A request that still wants its prompt's logprobs computes every prompt position: a
         # cached one would have no logits. Its blocks are cached for others all the same.
         cached = 0 if request.prompt_logprobs is not None else self.kv.match_prefix(
-            request.request_id, request.all_token_ids)
+            request.request_id, request.all_token_ids, request.cache_root)
         request.num_computed_tokens = cached
         n = min(request.num_tokens - request.num_computed_tokens, budget)
         block_ids = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n)

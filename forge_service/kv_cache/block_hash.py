@@ -27,6 +27,12 @@ DIGEST_SIZE = 32
 ROOT: BlockHash = hashlib.blake2b(b"forge kv-cache prefix root", digest_size=DIGEST_SIZE).digest()
 
 
+def chain_root(salt: bytes = b"") -> BlockHash:
+    """Where a request's key chain starts: `ROOT`, or for a salt (a LoRA adapter's name) a root of
+    its own, so that no block or partial-block lookup of one salt can match another's."""
+    return hash_block(ROOT, (), b"root:" + salt) if salt else ROOT
+
+
 def hash_block(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
     """The key of a full block holding `token_ids` after the prefix whose last key is `parent`
     (`ROOT` for the first block). `extra` separates caches that must not share blocks (adapters,

@@ -88,7 +88,7 @@ class KVCacheManager:
             self.pool.free(reversed(table))
 
     # ---- automatic prefix caching ----
-    def match_prefix(self, request_id: str, token_ids: list[int]) -> int:
+    def match_prefix(self, request_id: str, token_ids: list[int], root: BlockHash = ROOT) -> int:
         """Before a request's first allocation: share the cached blocks holding a prefix of
         `token_ids`. Returns how many tokens they cover (always fewer than len(token_ids), so at
         least one token is computed and yields logits).
@@ -102,7 +102,7 @@ class KVCacheManager:
             return 0
         blocks: list[int] = []
         keys: list[BlockHash] = []
-        parent = ROOT  # the key of the last block matched
+        parent = root  # the key of the last block matched (`root`: the request's chain, see chain_root)
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
             key = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
@@ -143,7 +143,7 @@ class KVCacheManager:
             self.pool.free([copy[0]])
 
     def cache_computed(self, request_id: str, num_computed: int,
-                       token_ids_slice: Callable[[int, int], list[int]]) -> None:
+                       token_ids_slice: Callable[[int, int], list[int]], root: BlockHash = ROOT) -> None:
         """Register the request's blocks that its first `num_computed` tokens have filled."""
         if not self.prefix_caching:
             return
@@ -151,7 +151,7 @@ class KVCacheManager:
         table = self._tables.get(request_id, [])
         bs = self.block_size
         for i in range(len(keys), min(num_computed // bs, len(table))):
-            parent, tokens = keys[-1] if keys else ROOT, token_ids_slice(i * bs, (i + 1) * bs)
+            parent, tokens = keys[-1] if keys else root, token_ids_slice(i * bs, (i + 1) * bs)
             key = hash_block(parent, tokens)
             keys.append(key)
             self.pool.cache_block(table[i], key, parent, tokens)

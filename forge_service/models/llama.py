@@ -9,6 +9,7 @@ import torch
 from forge_service.backends.base import AttentionMetadata, Backend, Int8Weight, QuantCodes
 from forge_service.layers.linear import Linear
 from forge_service.layers.rotary import RotaryEmbedding
+from forge_service.lora import LoraAdapter
 from forge_service.models.arch import ArchConfig
 from forge_service.sampling import ops
 
@@ -50,6 +51,9 @@ class LlamaModel:
                                       arch.rope_scaling, weights.get("model.rope_freq_factors"))
         self.scale = arch.head_dim ** -0.5
         self.last_hidden: torch.Tensor | None = None  # set by each forward
+        # LoRA adapters (forge_service/lora.py), added by the engine; AttentionMetadata.lora names
+        # each step's rows that take one, by 1-based index into this list.
+        self.adapters: list[LoraAdapter] = []
         # The CPU backend runs a whole step's layers in one native call where it can.
         self.decode_plan = backend.decode_plan(self.layers, arch, self.scale)
 
@@ -108,14 +112,16 @@ class LlamaModel:
         # outputs much closer to fp32 at the cost of two casts per layer.
         x = self.embed[input_ids].float()  # [T, D]
         rope = self.backend.rotary_tables(self.rotary.cos, self.rotary.sin, positions, self.dtype)
-        if self.decode_plan is not None and self.decode_plan.takes(meta, x.shape[0]):
+        lora = getattr(meta, "lora", None)
+        if self.decode_plan is not None and not lora and self.decode_plan.takes(meta, x.shape[0]):
             delta = self.decode_plan(x, *rope, kv_caches, meta)  # the loop below, in one native call
-        else:
+        else:  # (a step with adapted rows: the same kernels one by one, adapters' updates between)
             delta = None  # the last sublayer's output, added to x by the next norm (fused on GPU)
-            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+                adapted = [(self.adapters[index - 1].layers[i], rows) for index, rows in lora or ()]
                 h = self._add_norm(x, delta, layer.input_norm)
-                delta = self._attention(layer, h, rope, k_cache, v_cache, meta)
-                delta = self._mlp(layer, self._add_norm(x, delta, layer.post_norm))
+                delta = self._attention(layer, h, rope, k_cache, v_cache, meta, adapted)
+                delta = self._mlp(layer, self._add_norm(x, delta, layer.post_norm), adapted)
         rows = x[logits_indices] if delta is None else x[logits_indices] + delta[logits_indices]
         h = self.backend.rms_norm(rows, self.norm.float(), self.arch.rms_norm_eps)  # [N, D] fp32
         self.last_hidden = h  # the rows' final hidden states, for embeddings (ModelRunner._embed)
@@ -139,11 +145,19 @@ class LlamaModel:
             return self.backend.rms_norm(x, weight, self.arch.rms_norm_eps)
         return self.backend.add_rms_norm(x, delta, weight, self.arch.rms_norm_eps)
 
+    def _project(self, linear: Linear, name: str, x: torch.Tensor, adapted: list) -> torch.Tensor:
+        # linear(x), plus each adapter's update of projection `name` in the rows that chose it
+        y = linear(x)
+        for modules, rows in adapted:
+            for m in modules.get(name, ()):
+                self.backend.lora_add(y[:, m.offset:m.offset + m.bt.shape[1]], x, rows, m.a, m.bt)
+        return y
+
     def _attention(self, layer: LlamaLayer, h: torch.Tensor, rope, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   meta: AttentionMetadata) -> torch.Tensor:
+                   meta: AttentionMetadata, adapted: list) -> torch.Tensor:
         a = self.arch
         t = h.shape[0]
-        qkv = layer.qkv(h)
+        qkv = self._project(layer.qkv, "qkv", h, adapted)
         if layer.qkv_bias is not None:
             qkv += layer.qkv_bias  # in place: the projection's fresh output, rounded as a bf16 sum
         qk, v = qkv.split([(a.num_heads + a.num_kv_heads) * a.head_dim, a.num_kv_heads * a.head_dim], dim=-1)
@@ -157,7 +171,8 @@ class LlamaModel:
         v = v.view(t, a.num_kv_heads, a.head_dim)
         self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = self.backend.attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H * hd]
-        return layer.o_proj(o)
+        return self._project(layer.o_proj, "o_proj", o, adapted)
 
-    def _mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
-        return layer.down(self.backend.silu_and_mul(layer.gate_up(h)))
+    def _mlp(self, layer: LlamaLayer, h: torch.Tensor, adapted: list) -> torch.Tensor:
+        up = self.backend.silu_and_mul(self._project(layer.gate_up, "gate_up", h, adapted))
+        return self._project(layer.down, "down", up, adapted)

@@ -111,6 +111,7 @@ class ModelRunner:
             meta.decode_block_tables, meta.decode_mask, meta.decode_lens = self._decode_tables(
                 decodes, tables[:len(decodes)])
         meta.prefills = self._prefill_seqs(prefills, num_decode_rows)
+        meta.lora = _adapter_rows(ordered)
         meta = self.backend.prepare(meta)  # the backend's form, on its device, once per step
         input_ids, positions = input_ids.to(self.device), positions.to(self.device)
         sampling = [c for c in ordered if c.samples]
@@ -313,6 +314,18 @@ def _banned(request: Request, output: list[int]) -> frozenset[int]:
     if not (short or request.bad_word_ids):
         return frozenset()
     return frozenset(banned_tokens(request.bad_word_ids, output)).union(request.stop_token_set if short else ())
+
+
+def _adapter_rows(chunks: list[ScheduledChunk]) -> list[tuple[int, torch.Tensor]]:
+    """(adapter, its flat rows) for each LoRA adapter that requests among `chunks` take, rows
+    numbered across `chunks` in order (AttentionMetadata.lora)."""
+    rows: dict[int, list[int]] = {}
+    offset = 0
+    for c in chunks:
+        if c.request.adapter:
+            rows.setdefault(c.request.adapter, []).extend(range(offset, offset + c.num_tokens))
+        offset += c.num_tokens
+    return [(adapter, torch.tensor(r, dtype=torch.int64)) for adapter, r in sorted(rows.items())]
 
 
 def _prompt_rows(chunks: list[ScheduledChunk]) -> list[tuple[Request, int, int]]:

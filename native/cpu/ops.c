@@ -118,6 +118,43 @@ void forge_add_bias(uint16_t *x, int64_t T, int64_t N, int64_t stride, const uin
             store_bf16(x + t * stride + i, _mm512_add_ps(bf16x16(x + t * stride + i), bf16x16(bias + i)));
 }
 
+/* LoRA: y[m, :N] += Bt.T @ (A @ x[m, :K]) for each of the `count` rows m listed in `rows`, in fp32
+ * (A [R, K], Bt [R, N], the adapter's scale folded into Bt), a bf16 y rounded once after the sum.
+ * Each row is computed on its own in one fixed order, so its result does not depend on the rows
+ * beside it. x and y are bf16 or fp32 (the flags), rows `x_stride` / `y_stride` apart;
+ * K % 16 == 0, N % 16 == 0, R <= MAX_LORA_RANK. */
+#define MAX_LORA_RANK 256
+
+static inline __m512 load_either(const void *p, int bf16, int64_t at) {
+    return bf16 ? bf16x16((const uint16_t *)p + at) : _mm512_loadu_ps((const float *)p + at);
+}
+
+void forge_lora_add(const void *x, int x_bf16, int64_t x_stride, const int64_t *rows, int64_t count, int64_t K,
+                    const float *A, int64_t R, const float *Bt, int64_t N, void *y, int y_bf16, int64_t y_stride,
+                    int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (count >= PARALLEL_ROWS)
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t m = rows[i];
+        float t[MAX_LORA_RANK];
+        for (int64_t r = 0; r < R; r++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 16)
+                acc = _mm512_fmadd_ps(load_either(x, x_bf16, m * x_stride + k), _mm512_loadu_ps(A + r * K + k), acc);
+            t[r] = _mm512_reduce_add_ps(acc);
+        }
+        for (int64_t n = 0; n < N; n += 16) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t r = 0; r < R; r++)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(t[r]), _mm512_loadu_ps(Bt + r * N + n), acc);
+            acc = _mm512_add_ps(load_either(y, y_bf16, m * y_stride + n), acc);
+            if (y_bf16)
+                store_bf16((uint16_t *)y + m * y_stride + n, acc);
+            else
+                _mm512_storeu_ps((float *)y + m * y_stride + n, acc);
+        }
+    }
+}
+
 /* RMSNorm of each head of hd values in place, rows `stride` apart (Qwen3's q_norm and k_norm):
  * heads [0, split) weighed by `first`, heads [split, heads) by `rest`, with forge_add_rms_norm's
  * roundings (normalised in fp32, rounded to bf16, then scaled and rounded). hd % 16 == 0. */

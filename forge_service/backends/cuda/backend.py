@@ -86,6 +86,11 @@ class CudaBackend:
                       eps: float) -> torch.Tensor:
         return torch_ref.head_rms_norm(qk, num_heads, q_weight, k_weight, eps)  # torch ops (Qwen3), no kernel yet
 
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, a: torch.Tensor,
+                 bt: torch.Tensor) -> None:
+        # torch ops; the engine serves adapters on the CPU backend only (decode graphs hold no adapter)
+        torch_ref.lora_add(y, x, rows, a, bt)
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return activation.silu_and_mul(self.kernels, gate_up)
 

@@ -1,0 +1,165 @@
+"""LoRA adapters: PEFT checkpoints (adapter_config.json + adapter_model.safetensors) served beside
+the base model, chosen per request.
+
+An adapter adds scale * B @ A to some of a layer's projections (W x + scale B (A x), A [r, in],
+B [out, r]). Forge keeps the base weights as they are (4-bit codes included) and adds each
+adapter's update to the rows of the requests that chose it, after the projection: requests of
+different adapters and of none share one step. The update is computed in fp32 per row (see
+Backend.lora_add), so a request's tokens do not depend on what shares its step.
+
+What an adapter may hold: LoRA on q/k/v/o and gate/up/down (or Phi-3's fused qkv_proj and
+gate_up_proj), any rank up to the server's --max-lora-rank, lora_alpha with alpha_pattern and
+rank-stabilised scaling. Anything else (DoRA, LoRA biases, adapted embeddings or lm_head,
+modules_to_save, pickled .bin weights) is refused at load, naming it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+from safetensors import safe_open
+
+from forge_service.errors import ModelLoadError
+from forge_service.models.arch import ArchConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# A PEFT key: ...layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclass
+class LoraModule:
+    """One adapted module: its update, added to output columns [offset, offset + N) of its
+    (possibly fused) projection."""
+
+    a: torch.Tensor  # [r, K] fp32
+    bt: torch.Tensor  # [r, N] fp32, B transposed with the scale folded in
+    offset: int
+
+
+@dataclass
+class LoraAdapter:
+    name: str
+    path: str
+    rank: int  # the largest module rank
+    # per layer: projection ("qkv", "o_proj", "gate_up", "down") -> its adapted modules
+    layers: list[dict[str, list[LoraModule]]] = field(default_factory=list)
+
+    @property
+    def num_modules(self) -> int:
+        return sum(len(m) for layer in self.layers for m in layer.values())
+
+
+def _projections(arch: ArchConfig) -> dict[str, tuple[str, int, int, int]]:
+    """PEFT module name -> (Forge projection, output offset, output width, input width)."""
+    d, hd, f = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
+    names = {"o_proj": ("o_proj", 0, d, q), "down_proj": ("down", 0, d, f)}
+    if arch.fused_projections:
+        names.update(qkv_proj=("qkv", 0, q + 2 * kv, d), gate_up_proj=("gate_up", 0, 2 * f, d))
+    else:
+        names.update(q_proj=("qkv", 0, q, d), k_proj=("qkv", q, kv, d), v_proj=("qkv", q + kv, kv, d),
+                     gate_proj=("gate_up", 0, f, d), up_proj=("gate_up", f, f, d))
+    return names
+
+
+def _pattern_value(pattern: dict, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern: the first key that `module` (e.g.
+    "model.layers.3.self_attn.q_proj") ends with as a dotted suffix or regex."""
+    for key, value in (pattern or {}).items():
+        if re.fullmatch(rf"(?:.*\.)?{key}", module):
+            return value
+    return default
+
+
+def load_adapter(name: str, path: str | Path, arch: ArchConfig, max_rank: int) -> LoraAdapter:
+    """A PEFT LoRA directory -> its fp32 updates in Forge's projection layout; ModelLoadError
+    naming the file and what is unsupported or does not fit `arch`."""
+    root = Path(path)
+
+    def fail(reason: str) -> NoReturn:
+        raise ModelLoadError(str(root), f"LoRA adapter {name!r}: {reason}")
+
+    config_path, weights_path = root / CONFIG_FILE, root / WEIGHTS_FILE
+    if not config_path.is_file():
+        fail(f"no {CONFIG_FILE} in {root}")
+    if not weights_path.is_file():
+        found = " (only adapter_model.bin, a pickle Forge does not load: save with safe_serialization)" \
+            if (root / "adapter_model.bin").is_file() else ""
+        fail(f"no {WEIGHTS_FILE} in {root}{found}")
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as error:
+        fail(f"{config_path} is not JSON: {error}")
+    _check_config(name, root, config)
+    scaling_alpha = float(config.get("lora_alpha", 8))
+    projections = _projections(arch)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    with safe_open(str(weights_path), framework="pt") as f:
+        for key in f.keys():
+            match = _KEY.search(key)
+            if match is None:
+                fail(f"{key} is not a LoRA update of a layer's attention or "
+                                     "MLP projection (adapted embeddings, lm_head and modules_to_save are not served)")
+            layer, module, which = int(match[1]), match[2], match[3]
+            if module not in projections:
+                fail(f"{key} adapts {module}, which this "
+                                     f"{arch.architecture} model does not have (it has {', '.join(projections)})")
+            if not 0 <= layer < arch.num_layers:
+                fail(f"{key} names layer {layer}; the model has "
+                                     f"{arch.num_layers}")
+            pairs.setdefault((layer, module), {})[which] = f.get_tensor(key)
+    if not pairs:
+        fail(f"{weights_path} holds no LoRA weights")
+    adapter = LoraAdapter(name, str(root), 0, [{} for _ in range(arch.num_layers)])
+    for (layer, module), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            fail(f"layer {layer} {module} has lora_{''.join(ab)} "
+                                 "without its other half")
+        projection, offset, out_width, in_width = projections[module]
+        a, b = ab["A"].float(), ab["B"].float()
+        rank = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_width or b.shape != (out_width, rank):
+            fail(f"layer {layer} {module} has A {tuple(a.shape)} and B "
+                                 f"{tuple(b.shape)}; this model needs A [r, {in_width}] and B [{out_width}, r] "
+                                 "(an adapter of another base model?)")
+        if rank > max_rank:
+            fail(f"layer {layer} {module} has rank {rank}, above "
+                                 f"--max-lora-rank {max_rank}")
+        block = "self_attn" if projection in ("qkv", "o_proj") else "mlp"
+        full_name = f"model.layers.{layer}.{block}.{module}"
+        alpha = float(_pattern_value(config.get("alpha_pattern"), full_name, scaling_alpha))
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        if not math.isfinite(scale) or not torch.isfinite(a).all() or not torch.isfinite(b).all():
+            fail(f"layer {layer} {module} has a value that is not finite")
+        module_update = LoraModule(a.contiguous(), (b.T * scale).contiguous(), offset)
+        adapter.layers[layer].setdefault(projection, []).append(module_update)
+        adapter.rank = max(adapter.rank, rank)
+    return adapter
+
+
+def _check_config(name: str, root: Path, config: dict) -> None:
+    def refuse(what: str) -> NoReturn:
+        raise ModelLoadError(str(root), f"LoRA adapter {name!r}: {what} is not supported")
+
+    if not isinstance(config, dict):
+        refuse("an adapter_config.json that is not an object")
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        refuse(f"peft_type {config.get('peft_type')!r} (LoRA only)")
+    if config.get("use_dora"):
+        refuse("DoRA (use_dora)")
+    if config.get("bias", "none") != "none":
+        refuse(f"bias {config.get('bias')!r} (LoRA adapters without biases only)")
+    if config.get("fan_in_fan_out"):
+        refuse("fan_in_fan_out")
+    if config.get("modules_to_save"):
+        refuse(f"modules_to_save {config['modules_to_save']!r}")
+    alpha = config.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        refuse(f"lora_alpha {alpha!r}")
