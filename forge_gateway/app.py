@@ -284,8 +284,9 @@ async def _detokenize(request: Request, body: tokens.DetokenizeRequest) -> Respo
 
 async def _model_cards(request: Request) -> list[dict[str, Any]]:
     response = await _stub(request).ListModels(pb.ListModelsRequest(), timeout=10)
+    # vLLM's fields: "parent" names the base model a LoRA adapter adapts (null for the base model)
     return [{"id": m.id, "object": "model", "created": m.created, "owned_by": "forge", "root": m.id,
-             "max_model_len": m.max_model_len} for m in response.models]
+             "parent": m.parent or None, "max_model_len": m.max_model_len} for m in response.models]
 
 
 async def _models(request: Request) -> Response:

@@ -22,6 +22,10 @@ def _bool(value: str) -> bool:
 ENGINE_FLAGS = [
     ("--model", "model", str, "path to a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)"),
     ("--served-model-name", "served_model_name", str, "name clients use for the model"),
+    ("--lora-modules", "lora_modules", str,
+     "LoRA adapters served beside the model, NAME=PATH[,NAME=PATH...] (PEFT directories); a request names one as "
+     "its model (CPU backend)"),
+    ("--max-lora-rank", "max_lora_rank", int, "largest LoRA adapter rank accepted at load (default 64)"),
     ("--dtype", "dtype", str, "auto, float32 or bfloat16"),
     ("--device", "device", str, "cpu or cuda"),
     ("--max-model-len", "max_model_len", int, "cap on the context length"),

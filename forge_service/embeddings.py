@@ -16,10 +16,11 @@ from forge_service.errors import InvalidArgument
 MAX_INPUTS = 2048  # per request, as OpenAI's API takes
 
 
-def embed_params() -> SamplingParams:
-    """An embedding request's engine parameters: its prompt computed, one greedy token (thrown
-    away), never drafted."""
-    return SamplingParams(embed=True, max_tokens=1, temperature=0.0, ignore_eos=True, num_speculative_tokens=0)
+def embed_params(adapter: str | None = None) -> SamplingParams:
+    """An embedding request's engine parameters: its prompt computed (through `adapter`, a LoRA
+    adapter's name, where given), one greedy token (thrown away), never drafted."""
+    return SamplingParams(embed=True, max_tokens=1, temperature=0.0, ignore_eos=True, num_speculative_tokens=0,
+                          adapter=adapter)
 
 
 def pooled(hidden: Sequence[float], dimensions: int | None = None, normalize: bool = True) -> list[float]:

@@ -73,6 +73,11 @@ class LoadedModel:
     created: int
     longest_token_chars: int | None = None  # for the length check before tokenizing
     hidden_size: int | None = None  # an embedding's length
+    adapters: tuple[str, ...] = ()  # LoRA adapters served beside it, by name (--lora-modules)
+
+    def served_name(self, params) -> str:
+        """The name a request's responses and metrics carry: its adapter's, or the model's."""
+        return params.adapter or self.name
 
 
 @dataclass(frozen=True)
@@ -96,8 +101,9 @@ class ForgeServicer(pb_grpc.ForgeServicer):
         with self._service.observe("Generate", request, context) as rpc:
             async with self._rpc(context) as model:
                 prepared = await self._service.prepare(request, model)
-                rpc.prepared(model.name, prepared.prompt, prepared.params)
-                result = convert.GenerateAccumulator(prepared.request_id, model.name, len(prepared.prompt),
+                name = model.served_name(prepared.params)
+                rpc.prepared(name, prepared.prompt, prepared.params)
+                result = convert.GenerateAccumulator(prepared.request_id, name, len(prepared.prompt),
                                                      prepared.output, prepared.first_prompt_token)
                 async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
                     async for output in outputs:
@@ -109,7 +115,7 @@ class ForgeServicer(pb_grpc.ForgeServicer):
         with self._service.observe("Stream", request, context) as rpc:
             async with self._rpc(context) as model:
                 prepared = await self._service.prepare(request, model)
-                rpc.prepared(model.name, prepared.prompt, prepared.params)
+                rpc.prepared(model.served_name(prepared.params), prepared.prompt, prepared.params)
                 encoder = convert.StreamEncoder(prepared.request_id, len(prepared.prompt), prepared.output,
                                                 prepared.first_prompt_token)
                 async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
@@ -122,17 +128,18 @@ class ForgeServicer(pb_grpc.ForgeServicer):
         with self._service.observe("Embed", request, context) as rpc:
             async with self._rpc(context) as model:
                 prompts = await self._service.embed_prompts(request, model)
-                rpc.prepared(model.name, [t for p in prompts for t in p], embeddings.embed_params())
+                params = embeddings.embed_params(_check_model(request.model, model))
+                rpc.prepared(model.served_name(params), [t for p in prompts for t in p], params)
                 limit = asyncio.Semaphore(EMBED_IN_FLIGHT)
                 try:
                     async with asyncio.TaskGroup() as group:  # one input failing cancels the others
-                        tasks = [group.create_task(_embedding(model, prompt, request.request_id, limit))
+                        tasks = [group.create_task(_embedding(model, prompt, params, request.request_id, limit))
                                  for prompt in prompts]
                 except BaseExceptionGroup as failed:  # the first failure, as a lone error is answered
                     raise failed.exceptions[0] from None
                 dimensions = request.dimensions if request.HasField("dimensions") else None
                 normalize = not request.HasField("normalize") or request.normalize
-                response = pb.EmbedResponse(request_id=request.request_id, model=model.name)
+                response = pb.EmbedResponse(request_id=request.request_id, model=model.served_name(params))
                 for prompt, task in zip(prompts, tasks):
                     hidden, cached = task.result()
                     response.embeddings.add(values=embeddings.pooled(hidden, dimensions, normalize),
@@ -160,7 +167,9 @@ class ForgeServicer(pb_grpc.ForgeServicer):
         if model is None:
             return pb.ListModelsResponse()
         info = pb.ModelInfo(id=model.name, max_model_len=model.max_model_len, created=model.created)
-        return pb.ListModelsResponse(models=[info])
+        adapters = [pb.ModelInfo(id=name, max_model_len=model.max_model_len, created=model.created, parent=model.name)
+                    for name in model.adapters]
+        return pb.ListModelsResponse(models=[info, *adapters])
 
     @contextlib.asynccontextmanager
     async def _rpc(self, context: grpc.aio.ServicerContext) -> AsyncIterator[LoadedModel]:
@@ -185,10 +194,15 @@ class ForgeServicer(pb_grpc.ForgeServicer):
             await _abort_internal(context, error)
 
 
-def _check_model(name: str, model: LoadedModel) -> None:
-    if name and name != model.name:
-        raise ModelNotFound(f"model {excerpt(name)} is not served here; this server serves {model.name!r}",
-                            field="model")
+def _check_model(name: str, model: LoadedModel) -> str | None:
+    """The LoRA adapter a request's model names (None: the base model); ModelNotFound for a name
+    not served here."""
+    if not name or name == model.name:
+        return None
+    if name in model.adapters:
+        return name
+    served = ", ".join(map(repr, (model.name, *model.adapters)))
+    raise ModelNotFound(f"model {excerpt(name)} is not served here; this server serves {served}", field="model")
 
 
 async def _tokenize(request: pb.GenerateRequest, model: LoadedModel, config: ServiceConfig,
@@ -203,7 +217,7 @@ async def _tokenize(request: pb.GenerateRequest, model: LoadedModel, config: Ser
 
 async def _prepare(request: pb.GenerateRequest, model: LoadedModel, config: ServiceConfig,
                    pool: TokenizerPool) -> _Prepared:
-    _check_model(request.model, model)
+    adapter = _check_model(request.model, model)
     # An error names the request field at fault (trailing metadata, see errors.py); where its
     # raiser does not, it is the stage's: the input (text | chat | token_ids), the constraint.
     source = request.WhichOneof("input")
@@ -214,6 +228,7 @@ async def _prepare(request: pb.GenerateRequest, model: LoadedModel, config: Serv
     tools = convert.tools(request, model.tokenizer)
     with convert.request_fields():
         params = convert.sampling_params(request, tools)
+        params.adapter = adapter
         params.validate(model.tokenizer.vocab_size)
     with blame(source):
         prompt = await pool.run(convert.prompt_token_ids, request, model.tokenizer, model.max_model_len, tools)
@@ -242,12 +257,12 @@ def _prompt_chars(request: pb.GenerateRequest) -> int:
     return 0
 
 
-async def _embedding(model: LoadedModel, prompt: list[int], label: str,
+async def _embedding(model: LoadedModel, prompt: list[int], params, label: str,
                      limit: asyncio.Semaphore) -> tuple[list[float], int]:
     """One input's last hidden state and its prefix-cache hit, as an engine request of its own."""
     hidden, cached = None, 0
     async with limit:
-        stream = model.engine.generate(uuid.uuid4().hex, prompt, embeddings.embed_params(), label)
+        stream = model.engine.generate(uuid.uuid4().hex, prompt, params, label)
         async with contextlib.aclosing(stream) as outputs:
             async for output in outputs:
                 cached = max(cached, output.num_cached_tokens)
@@ -342,7 +357,8 @@ class ForgeService:
         async_engine.start()
         arch = getattr(engine, "arch", None)
         self.model = LoadedModel(async_engine, engine.tokenizer, engine.model_name, engine.max_model_len,
-                                 int(time.time()), longest, getattr(arch, "hidden_size", None))
+                                 int(time.time()), longest, getattr(arch, "hidden_size", None),
+                                 tuple(getattr(engine, "adapters", ())))
         # What loading made lives as long as the process: out of the collector's full passes, which
         # would otherwise walk it all (~190k objects on the default model, 70-220 ms with the GIL
         # held, stalling every stream) a few times a minute under load.

@@ -255,7 +255,7 @@ def test_models(http: httpx.Client, client: openai.OpenAI, fake: FakeForge) -> N
     body = http.get("/v1/models").json()
     assert body["object"] == "list"
     assert body["data"][0] == {"id": "fake-model", "object": "model", "created": 1700000000, "owned_by": "forge",
-                               "root": "fake-model", "max_model_len": 2048}
+                               "root": "fake-model", "parent": None, "max_model_len": 2048}
     assert [m.id for m in client.models.list()] == ["fake-model"]
     assert http.get("/v1/models/fake-model").json() == body["data"][0]  # OpenAI's retrieve
     assert client.models.retrieve("fake-model").id == "fake-model"

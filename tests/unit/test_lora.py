@@ -230,3 +230,68 @@ def test_lora_kernel_matches_torch_and_each_row_stands_alone(dtype: torch.dtype)
         alone = y.clone()
         cpu_kernels.lora_add_(alone[:, 16:64], x, torch.tensor([row]), a, bt)
         assert torch.equal(alone[row], got[row])
+
+
+@pytest.mark.timeout(120)
+def test_the_gateway_and_grpc_serve_adapters_by_model_name(coded: tuple[str, str]) -> None:
+    import asyncio
+    import os
+    import signal
+
+    import grpc
+    import openai
+
+    from forge_service.config import ServiceConfig
+    from forge_service.pb import forge_pb2 as pb
+    from forge_service.serve import run_all_async
+    from forge_service.server import ForgeService
+    from tests.unit.fakes import free_port, wait_ready
+    from tests.unit.test_server_fake_engine import code_of, run
+
+    llm = LLM(model=coded[0], dtype="bfloat16", lora_modules=coded[1])
+    base = llm.engine.model_name
+    text = "the quick brown fox jumps over"
+    want = {a: llm.generate([text], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, adapter=a))[0]
+            .outputs[0].text for a in (None, "a", "b")}
+    assert len(set(want.values())) == 3
+
+    async def grpc_body(h):
+        listed = await h.stub.ListModels(pb.ListModelsRequest())
+        request = pb.GenerateRequest(text=text, model="b", sampling=pb.SamplingParameters(temperature=0),
+                                     stopping=pb.StoppingParameters(max_tokens=8, ignore_eos=True))
+        response = await h.stub.Generate(request)
+        request.model = "c"
+        return listed, response, await code_of(h.stub.Generate(request))
+
+    listed, response, (code, details) = run(grpc_body, factory=lambda: llm.engine)
+    assert [(m.id, m.parent) for m in listed.models] == [(base, ""), ("a", base), ("b", base)]
+    assert (response.model, response.choices[0].text) == ("b", want["b"])
+    assert code == grpc.StatusCode.NOT_FOUND and f"serves {base!r}, 'a', 'b'" in details
+
+    config = ServiceConfig(host="127.0.0.1", grpc_port=0, http_port=free_port(), drain_timeout_s=10)
+    url = f"http://127.0.0.1:{config.http_port}"
+
+    def use_it() -> dict:
+        wait_ready(url)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        cards = {m.id: m.model_extra.get("parent") for m in client.models.list()}
+        got = {}
+        for name in (base, "a", "b"):
+            completion = client.completions.create(model=name, prompt=text, max_tokens=8, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+            got[name] = (completion.model, completion.choices[0].text)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="c", prompt=text, max_tokens=2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return {"cards": cards, "got": got}
+
+    async def main() -> dict:
+        service = ForgeService(config, lambda: llm.engine)
+        running = asyncio.create_task(run_all_async(service, config))
+        result = await asyncio.to_thread(use_it)
+        await asyncio.wait_for(running, 20)
+        return result
+
+    result = asyncio.run(main())
+    assert result["cards"] == {base: None, "a": base, "b": base}
+    assert result["got"] == {base: (base, want[None]), "a": ("a", want["a"]), "b": ("b", want["b"])}
