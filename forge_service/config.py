@@ -38,6 +38,7 @@ def require_ports(config: object, *names: str) -> None:
 
 
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+MAX_LORA_RANK = 256  # the CPU kernel's bound (native/cpu/ops.c)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         require_at_least(self, 1, "max_model_len", "max_lora_rank")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be at most {MAX_LORA_RANK}, got {self.max_lora_rank}")
         self.lora_paths()  # raises ValueError for a malformed list
 
     def lora_paths(self) -> dict[str, str]:

@@ -70,8 +70,9 @@ def _projections(arch: ArchConfig) -> dict[str, tuple[str, int, int, int]]:
 
 
 def _pattern_value(pattern: dict, module: str, default):
-    """PEFT's rank_pattern / alpha_pattern: the first key that `module` (e.g.
-    "model.layers.3.self_attn.q_proj") ends with as a dotted suffix or regex."""
+    """PEFT's alpha_pattern (a module's own lora_alpha): the first key that `module` (e.g.
+    "model.layers.3.self_attn.q_proj") ends with as a dotted suffix or regex. (Its rank_pattern
+    needs no reading: a module's rank is its A's rows.)"""
     for key, value in (pattern or {}).items():
         if re.fullmatch(rf"(?:.*\.)?{key}", module):
             return value
@@ -105,33 +106,29 @@ def load_adapter(name: str, path: str | Path, arch: ArchConfig, max_rank: int) -
         for key in f.keys():
             match = _KEY.search(key)
             if match is None:
-                fail(f"{key} is not a LoRA update of a layer's attention or "
-                                     "MLP projection (adapted embeddings, lm_head and modules_to_save are not served)")
+                fail(f"{key} is not a LoRA update of a layer's attention or MLP projection (adapted "
+                     "embeddings, lm_head and modules_to_save are not served)")
             layer, module, which = int(match[1]), match[2], match[3]
             if module not in projections:
-                fail(f"{key} adapts {module}, which this "
-                                     f"{arch.architecture} model does not have (it has {', '.join(projections)})")
+                fail(f"{key} adapts {module}, which this {arch.architecture} model does not have (it has "
+                     f"{', '.join(projections)})")
             if not 0 <= layer < arch.num_layers:
-                fail(f"{key} names layer {layer}; the model has "
-                                     f"{arch.num_layers}")
+                fail(f"{key} names layer {layer}; the model has {arch.num_layers}")
             pairs.setdefault((layer, module), {})[which] = f.get_tensor(key)
     if not pairs:
         fail(f"{weights_path} holds no LoRA weights")
     adapter = LoraAdapter(name, str(root), 0, [{} for _ in range(arch.num_layers)])
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
-            fail(f"layer {layer} {module} has lora_{''.join(ab)} "
-                                 "without its other half")
+            fail(f"layer {layer} {module} has lora_{''.join(ab)} without its other half")
         projection, offset, out_width, in_width = projections[module]
         a, b = ab["A"].float(), ab["B"].float()
         rank = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_width or b.shape != (out_width, rank):
-            fail(f"layer {layer} {module} has A {tuple(a.shape)} and B "
-                                 f"{tuple(b.shape)}; this model needs A [r, {in_width}] and B [{out_width}, r] "
-                                 "(an adapter of another base model?)")
+        if a.dim() != 2 or b.dim() != 2 or rank < 1 or a.shape[1] != in_width or b.shape != (out_width, rank):
+            fail(f"layer {layer} {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; this model needs "
+                 f"A [r, {in_width}] and B [{out_width}, r] (an adapter of another base model?)")
         if rank > max_rank:
-            fail(f"layer {layer} {module} has rank {rank}, above "
-                                 f"--max-lora-rank {max_rank}")
+            fail(f"layer {layer} {module} has rank {rank}, above --max-lora-rank {max_rank}")
         block = "self_attn" if projection in ("qkv", "o_proj") else "mlp"
         full_name = f"model.layers.{layer}.{block}.{module}"
         alpha = float(_pattern_value(config.get("alpha_pattern"), full_name, scaling_alpha))

@@ -275,7 +275,7 @@ def head_rms_norm_(qk: torch.Tensor, split: int, first: torch.Tensor, rest: torc
                                   rest.data_ptr(), eps, torch.get_num_threads())
 
 
-MAX_LORA_RANK = 256  # ops.c's MAX_LORA_RANK
+MAX_LORA_RANK = 256  # ops.c's MAX_LORA_RANK (config.MAX_LORA_RANK bounds --max-lora-rank by it)
 
 
 def lora_supported(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> bool:

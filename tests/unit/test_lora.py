@@ -170,7 +170,8 @@ def _edit_adapter(src: Path, dst: Path, config: dict | None = None, tensors=None
      "lm_head.lora_A.weight is not a LoRA update"),
     ({"tensors": lambda w: {k: v for k, v in w.items() if "layers.1.mlp.up_proj.lora_B" not in k}},
      "layer 1 up_proj has lora_A without its other half"),
-    ({"tensors": lambda w: {k: v[:, :32].contiguous() if "layers.0.self_attn.q_proj.lora_A" in k else v for k, v in w.items()}},
+    ({"tensors": lambda w: {k: v[:, :32].contiguous() if "layers.0.self_attn.q_proj.lora_A" in k else v
+                            for k, v in w.items()}},
      r"layer 0 q_proj has A \(4, 32\).*an adapter of another base model"),
     ({"tensors": lambda w: {k.replace("layers.1.", "layers.7."): v for k, v in w.items()}},
      "names layer 7; the model has 2"),
@@ -206,6 +207,8 @@ def test_rank_limit_and_missing_files_are_refused(tmp_path: Path, base_dir: Path
 def test_a_malformed_module_list_is_refused(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig(lora_modules=spec)
+    with pytest.raises(ValueError, match="max_lora_rank must be at most 256, got 257"):
+        ModelConfig(max_lora_rank=257)  # the native kernel's bound
     assert ModelConfig(lora_modules=" a=/x , b.v2=/y ").lora_paths() == {"a": "/x", "b.v2": "/y"}
 
 
