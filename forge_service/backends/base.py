@@ -126,10 +126,16 @@ class FusedDecode(Protocol):
         """Whether it runs this step: `meta` in the backend's form, `tokens` rows in the batch."""
         ...
 
+    def add_adapter(self, adapter: Any) -> None:
+        """Take a LoRA adapter (forge_service/lora.py) that a step's meta.lora names by its 1-based
+        index, in the order added."""
+        ...
+
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any) -> torch.Tensor:
-        """x [T, D] fp32 residual stream, updated in place through the last layer's attention;
-        cos, sin: the step's rotary tables -> the last layer's MLP output [T, D], still to be added."""
+        """x [T, D] fp32 residual stream, updated in place through the last layer's attention, the
+        rows meta.lora names with their adapters' updates; cos, sin: the step's rotary tables -> the
+        last layer's MLP output [T, D], still to be added."""
         ...
 
 

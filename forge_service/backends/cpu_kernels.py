@@ -84,7 +84,7 @@ def library() -> ctypes.CDLL | None:
     lib.forge_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr, flag]
     lib.forge_prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, flag]
     lib.forge_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, ptr,
-                                        flag]
+                                        ptr, i64, flag]
     for name in ("forge_q4_linear", "forge_q8_linear", "forge_decode_attention", "forge_prefill_attention",
                  "forge_decode_layers"):
         getattr(lib, name).restype = ctypes.c_int
@@ -353,6 +353,22 @@ class _Layer(ctypes.Structure):
                 ("rope", ctypes.c_int64)]
 
 
+class _LoraModule(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("rank", ctypes.c_int64), ("n", ctypes.c_int64),
+                ("offset", ctypes.c_int64)]
+
+
+class _LoraTable(ctypes.Structure):
+    _fields_ = [("modules", ctypes.c_void_p), ("first", ctypes.c_void_p)]
+
+
+class _LoraRows(ctypes.Structure):
+    _fields_ = [("table", ctypes.c_void_p), ("rows", ctypes.c_void_p), ("count", ctypes.c_int64)]
+
+
+_PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # decode.c's P_QKV .. P_DOWN
+
+
 class _Dims(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("block_size", ctypes.c_int64),
@@ -400,6 +416,25 @@ class DecodePlan:
                 setattr(row, name, _Weight(w.codes.data_ptr(), w.scale.data_ptr(),
                                            _ptr(w.offset), w.shape[0], w.shape[1], levels, FINE_ABOVE))
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._adapters: list[tuple[_LoraTable, object]] = []  # each LoRA adapter's table, and what it points at
+
+    def add_adapter(self, adapter) -> None:
+        """Take a LoRA adapter (forge_service/lora.py), which AttentionMetadata.lora then names by
+        its 1-based index in the order added: its updates are added in the call, after each
+        projection, as the per-kernel path adds them."""
+        modules, first = [], [0]
+        for layer in adapter.layers:
+            for name in _PROJECTIONS:
+                for m in layer.get(name, ()):
+                    if not (m.a.is_contiguous() and m.bt.is_contiguous() and m.bt.shape[1] % 16 == 0
+                            and m.a.shape[1] % 16 == 0 and m.a.shape[0] <= MAX_LORA_RANK):
+                        raise ValueError(f"LoRA adapter {adapter.name!r}: a module the fused step cannot take")
+                    modules.append(_LoraModule(m.a.data_ptr(), m.bt.data_ptr(), m.a.shape[0], m.bt.shape[1],
+                                               m.offset))
+                first.append(len(modules))
+        array = (_LoraModule * max(1, len(modules)))(*modules)
+        starts = torch.tensor(first, dtype=torch.int64)
+        self._adapters.append((_LoraTable(ctypes.addressof(array), starts.data_ptr()), (adapter, array, starts)))
 
     @staticmethod
     def supported(layers: list[DecodeLayer], hidden: int, intermediate: int, head_dim: int) -> bool:
@@ -444,11 +479,14 @@ class DecodePlan:
                                   dtype=torch.int64)
             context = torch.cat(contexts).contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
+        lora = (_LoraRows * max(1, len(meta.lora)))(*(
+            _LoraRows(ctypes.addressof(self._adapters[index - 1][0]), rows.data_ptr(), rows.shape[0])
+            for index, rows in meta.lora))  # meta.lora's rows: contiguous int64, alive through the call
         status = library().forge_decode_layers(
             ctypes.byref(self.table), len(self.layers), ctypes.byref(self.dims), x.data_ptr(), delta.data_ptr(), t,
             slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), decodes, _ptr(tables),
             0 if tables is None else tables.shape[1], _ptr(lens), len(meta.prefills), _ptr(chunks), _ptr(context),
-            torch.get_num_threads())
+            lora, len(meta.lora), torch.get_num_threads())
         if status:
             raise ValueError({1: "unsupported shapes", 2: "out of memory"}.get(status, f"status {status}"))
         return delta

@@ -148,7 +148,7 @@ class LLMEngine:
             if name == self.model_name:
                 raise ValueError(f"lora_modules: adapter name {name!r} is the served model's own name")
             adapter = lora.load_adapter(name, path, self.arch, config.model.max_lora_rank)
-            self.model.adapters.append(adapter)
+            self.model.add_adapter(adapter)
             log.info("LoRA adapter %s from %s: rank %d, %d modules", name, path, adapter.rank, adapter.num_modules)
         return {name: i + 1 for i, name in enumerate(paths)}
 

@@ -57,6 +57,12 @@ class LlamaModel:
         # The CPU backend runs a whole step's layers in one native call where it can.
         self.decode_plan = backend.decode_plan(self.layers, arch, self.scale)
 
+    def add_adapter(self, adapter: LoraAdapter) -> None:
+        """Serve a LoRA adapter: a step's meta.lora names it by its 1-based index, in the order added."""
+        self.adapters.append(adapter)
+        if self.decode_plan is not None:
+            self.decode_plan.add_adapter(adapter)
+
     def _layer(self, w: dict[str, torch.Tensor], codes: dict[str, QuantCodes],
                decoders: dict[str, Callable[[], torch.Tensor]], i: int) -> LlamaLayer:
         p = f"model.layers.{i}."
@@ -112,10 +118,10 @@ class LlamaModel:
         # outputs much closer to fp32 at the cost of two casts per layer.
         x = self.embed[input_ids].float()  # [T, D]
         rope = self.backend.rotary_tables(self.rotary.cos, self.rotary.sin, positions, self.dtype)
-        lora = getattr(meta, "lora", None)
-        if self.decode_plan is not None and not lora and self.decode_plan.takes(meta, x.shape[0]):
+        if self.decode_plan is not None and self.decode_plan.takes(meta, x.shape[0]):
             delta = self.decode_plan(x, *rope, kv_caches, meta)  # the loop below, in one native call
-        else:  # (a step with adapted rows: the same kernels one by one, adapters' updates between)
+        else:
+            lora = getattr(meta, "lora", None)
             delta = None  # the last sublayer's output, added to x by the next norm (fused on GPU)
             for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
                 adapted = [(self.adapters[index - 1].layers[i], rows) for index, rows in lora or ()]

@@ -14,6 +14,8 @@
  *
  * Attention is decode attention for the step's decode rows and prefill attention for each chunk
  * (which gives a query the bits decode attention would: see ops.c); the rest runs over all rows.
+ * Rows of requests on a LoRA adapter get its updates right after each projection (forge_lora_add,
+ * as the per-kernel path adds them: see forge_service/lora.py).
  *
  * Layouts are those of forge_service/backends/cpu.py: x [T, D] fp32 residual stream; the fused
  * projection's rows are q (H heads), k (Hkv), v (Hkv); caches [slots, Hkv, hd] bf16.
@@ -38,6 +40,9 @@ void forge_rotary(uint16_t *x, int64_t T, int64_t heads, int64_t hd, int64_t str
 int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int64_t *tables, int64_t width, const int32_t *lens, int64_t block_size, int64_t D,
                            int64_t H, int64_t Hkv, int64_t hd, float scale, uint16_t *out, int threads);
+void forge_lora_add(const void *x, int x_bf16, int64_t x_stride, const int64_t *rows, int64_t count, int64_t K,
+                    const float *A, int64_t R, const float *Bt, int64_t N, void *y, int y_bf16, int64_t y_stride,
+                    int threads);
 int forge_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                             const int64_t *slots, int64_t C, int64_t L, int64_t H, int64_t Hkv, int64_t hd,
                             float scale, uint16_t *out, int threads);
@@ -64,7 +69,41 @@ typedef struct {
     float eps, scale;
 } forge_dims;
 
+/* LoRA: one adapted module, y[:, offset .. offset + n) += Bt.T (A x) (A [rank, k], Bt [rank, n] fp32). */
+typedef struct {
+    const float *a, *bt;
+    int64_t rank, n, offset;
+} forge_lora_module;
+
+enum { P_QKV, P_O, P_GATE_UP, P_DOWN, PROJECTIONS };
+
+/* An adapter's modules in (layer, projection) order: those of layer l's projection p are
+ * modules[first[l * PROJECTIONS + p] .. first[l * PROJECTIONS + p + 1]). */
+typedef struct {
+    const forge_lora_module *modules;
+    const int64_t *first;
+} forge_lora_table;
+
+typedef struct {  /* the step's rows on one adapter */
+    const forge_lora_table *table;
+    const int64_t *rows;
+    int64_t count;
+} forge_lora_rows;
+
 enum { OK = 0, BAD_SHAPE = 1, NO_MEMORY = 2 };
+
+/* Layer l's projection p, x [T, K] -> y [T, N]: each adapter's updates of it, in its listed rows. */
+static void adapt(const forge_lora_rows *lora, int64_t adapters, int64_t l, int p, const uint16_t *x, int64_t K,
+                  uint16_t *y, int64_t N, int threads) {
+    for (int64_t i = 0; i < adapters; i++) {
+        const forge_lora_table *t = lora[i].table;
+        for (int64_t m = t->first[l * PROJECTIONS + p]; m < t->first[l * PROJECTIONS + p + 1]; m++) {
+            const forge_lora_module *u = t->modules + m;
+            forge_lora_add(x, 1, K, lora[i].rows, lora[i].count, K, u->a, u->rank, u->bt, u->n, y + u->offset, 1, N,
+                           threads);
+        }
+    }
+}
 
 static int project(const forge_weight *w, const uint16_t *x, int64_t T, uint16_t *out, int threads) {
     if (w->offset)
@@ -79,11 +118,13 @@ static int project(const forge_weight *w, const uint16_t *x, int64_t T, uint16_t
  * Rows 0 .. decodes - 1 are decode tokens (one query each: a sequence's next token, or one of its
  * verified drafts): tables [decodes, width] block ids and lens [decodes] context lengths (the
  * token included). Then `chunks` prefill chunks, chunk c [3]: its first row, its L rows and its C
- * context tokens (its own last), whose slots follow the previous chunks' in context_slots. */
+ * context tokens (its own last), whose slots follow the previous chunks' in context_slots.
+ * lora [adapters]: the rows on each LoRA adapter (none: 0). */
 int forge_decode_layers(const forge_layer *layers, int64_t count, const forge_dims *dims, float *x, uint16_t *delta,
                         int64_t T, const int64_t *slots, const uint16_t *cos, const uint16_t *sin, int64_t decodes,
                         const int64_t *tables, int64_t width, const int32_t *lens, int64_t chunks,
-                        const int64_t *chunk, const int64_t *context_slots, int threads) {
+                        const int64_t *chunk, const int64_t *context_slots, const forge_lora_rows *lora,
+                        int64_t adapters, int threads) {
     const int64_t D = dims->hidden, H = dims->heads, Hkv = dims->kv_heads, hd = dims->head_dim;
     const int64_t F = dims->intermediate, Nqkv = (H + 2 * Hkv) * hd, kv = Hkv * hd;
     for (int64_t l = 0; l < count; l++) {
@@ -108,6 +149,7 @@ int forge_decode_layers(const forge_layer *layers, int64_t count, const forge_di
         const forge_layer *p = layers + l;
         forge_add_rms_norm(x, l > 0 ? delta : NULL, p->input_norm, h, T, D, dims->eps, threads);
         if ((status = project(&p->qkv, h, T, qkv, threads))) break;
+        adapt(lora, adapters, l, P_QKV, h, D, qkv, Nqkv, threads);
         if (p->qkv_bias) forge_add_bias(qkv, T, Nqkv, Nqkv, p->qkv_bias, threads);
         if (p->q_norm) forge_head_rms_norm(qkv, T, H + Hkv, H, hd, Nqkv, p->q_norm, p->k_norm, dims->eps, threads);
         if (p->rope) forge_rotary(qkv, T, H + Hkv, hd, Nqkv, cos, sin, threads);
@@ -128,10 +170,13 @@ int forge_decode_layers(const forge_layer *layers, int64_t count, const forge_di
         }
         if (status) break;
         if ((status = project(&p->o, attn, T, delta, threads))) break;
+        adapt(lora, adapters, l, P_O, attn, H * hd, delta, D, threads);
         forge_add_rms_norm(x, delta, p->post_norm, h, T, D, dims->eps, threads);
         if ((status = project(&p->gate_up, h, T, gate_up, threads))) break;
+        adapt(lora, adapters, l, P_GATE_UP, h, D, gate_up, 2 * F, threads);
         forge_silu_mul(gate_up, act, T, F, threads);
-        status = project(&p->down, act, T, delta, threads);
+        if ((status = project(&p->down, act, T, delta, threads))) break;
+        adapt(lora, adapters, l, P_DOWN, act, F, delta, D, threads);
     }
     free(h);
     return status;

@@ -124,33 +124,60 @@ void forge_add_bias(uint16_t *x, int64_t T, int64_t N, int64_t stride, const uin
  * beside it. x and y are bf16 or fp32 (the flags), rows `x_stride` / `y_stride` apart;
  * K % 16 == 0, N % 16 == 0, R <= MAX_LORA_RANK. */
 #define MAX_LORA_RANK 256
+#define LORA_ROWS 4  /* rows that share each pass over an adapter's weights */
 
 static inline __m512 load_either(const void *p, int bf16, int64_t at) {
     return bf16 ? bf16x16((const uint16_t *)p + at) : _mm512_loadu_ps((const float *)p + at);
 }
 
+/* Rows rows[0 .. nb - 1] (nb <= LORA_ROWS) of one call: each weight vector read once serves them all,
+ * while each row's own sums run in the same order as alone (its result does not depend on nb). */
+static inline __attribute__((always_inline)) void lora_rows(const void *x, int x_bf16, int64_t x_stride,
+                                                            const int64_t *rows, const int nb, int64_t K,
+                                                            const float *A, int64_t R, const float *Bt, int64_t N,
+                                                            void *y, int y_bf16, int64_t y_stride) {
+    float t[LORA_ROWS][MAX_LORA_RANK];
+    for (int64_t r = 0; r < R; r++) {
+        __m512 acc[LORA_ROWS];
+        for (int j = 0; j < nb; j++) acc[j] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16) {
+            const __m512 a = _mm512_loadu_ps(A + r * K + k);
+            for (int j = 0; j < nb; j++)
+                acc[j] = _mm512_fmadd_ps(load_either(x, x_bf16, rows[j] * x_stride + k), a, acc[j]);
+        }
+        for (int j = 0; j < nb; j++) t[j][r] = _mm512_reduce_add_ps(acc[j]);
+    }
+    for (int64_t n = 0; n < N; n += 16) {
+        __m512 acc[LORA_ROWS];
+        for (int j = 0; j < nb; j++) acc[j] = _mm512_setzero_ps();
+        for (int64_t r = 0; r < R; r++) {
+            const __m512 b = _mm512_loadu_ps(Bt + r * N + n);
+            for (int j = 0; j < nb; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(t[j][r]), b, acc[j]);
+        }
+        for (int j = 0; j < nb; j++) {
+            const int64_t at = rows[j] * y_stride + n;
+            const __m512 sum = _mm512_add_ps(load_either(y, y_bf16, at), acc[j]);
+            if (y_bf16)
+                store_bf16((uint16_t *)y + at, sum);
+            else
+                _mm512_storeu_ps((float *)y + at, sum);
+        }
+    }
+}
+
 void forge_lora_add(const void *x, int x_bf16, int64_t x_stride, const int64_t *rows, int64_t count, int64_t K,
                     const float *A, int64_t R, const float *Bt, int64_t N, void *y, int y_bf16, int64_t y_stride,
                     int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (count >= PARALLEL_ROWS)
-    for (int64_t i = 0; i < count; i++) {
-        const int64_t m = rows[i];
-        float t[MAX_LORA_RANK];
-        for (int64_t r = 0; r < R; r++) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t k = 0; k < K; k += 16)
-                acc = _mm512_fmadd_ps(load_either(x, x_bf16, m * x_stride + k), _mm512_loadu_ps(A + r * K + k), acc);
-            t[r] = _mm512_reduce_add_ps(acc);
-        }
-        for (int64_t n = 0; n < N; n += 16) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t r = 0; r < R; r++)
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(t[r]), _mm512_loadu_ps(Bt + r * N + n), acc);
-            acc = _mm512_add_ps(load_either(y, y_bf16, m * y_stride + n), acc);
-            if (y_bf16)
-                store_bf16((uint16_t *)y + m * y_stride + n, acc);
-            else
-                _mm512_storeu_ps((float *)y + m * y_stride + n, acc);
+    const int64_t blocks = (count + LORA_ROWS - 1) / LORA_ROWS;
+#pragma omp parallel for schedule(static) num_threads(threads) if (blocks >= 2)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t *block = rows + b * LORA_ROWS;
+        const int64_t nb = count - b * LORA_ROWS < LORA_ROWS ? count - b * LORA_ROWS : LORA_ROWS;
+        switch (nb) {  /* a literal row count each, so the accumulators stay in registers */
+            case 1: lora_rows(x, x_bf16, x_stride, block, 1, K, A, R, Bt, N, y, y_bf16, y_stride); break;
+            case 2: lora_rows(x, x_bf16, x_stride, block, 2, K, A, R, Bt, N, y, y_bf16, y_stride); break;
+            case 3: lora_rows(x, x_bf16, x_stride, block, 3, K, A, R, Bt, N, y, y_bf16, y_stride); break;
+            default: lora_rows(x, x_bf16, x_stride, block, 4, K, A, R, Bt, N, y, y_bf16, y_stride);
         }
     }
 }
