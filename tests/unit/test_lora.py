@@ -302,3 +302,22 @@ def test_the_gateway_and_grpc_serve_adapters_by_model_name(coded: tuple[str, str
     result = asyncio.run(main())
     assert result["cards"] == {base: None, "a": base, "b": base}
     assert result["got"] == {base: (base, want[None]), "a": ("a", want["a"]), "b": ("b", want["b"])}
+
+
+@pytest.mark.skipif(cpu_kernels.library() is None, reason="needs the native CPU kernels")
+def test_adapted_greedy_tokens_survive_preemption_and_speculation(coded: tuple[str, str]) -> None:
+    path, adapters_spec = coded
+    looping = [[5, 6, 7, 8, 9] * 7, list(range(3, 40)), [11, 12, 13] * 10, list(range(50, 90))]
+    prompts = looping + looping[:2]  # repeats, each on the other adapter (no hit on the first's blocks)
+    adapters = ["a", "b", None, "a", "b", "a"]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, adapter=a) for a in adapters]
+    roomy = LLM(model=path, dtype="bfloat16", lora_modules=adapters_spec, enable_prefix_caching=False)
+    want = [roomy.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]  # each alone
+    # 14 blocks of 8 tokens cannot hold six prompts of up to 40 tokens plus 40 outputs at once
+    tight = LLM(model=path, dtype="bfloat16", lora_modules=adapters_spec, num_blocks=14, block_size=8,
+                max_num_batched_tokens=32, speculative="ngram", spec_step_base_rows=1e9)
+    got = tight.generate(prompts, params)
+    assert [g.outputs[0].token_ids for g in got] == want
+    assert tight.engine.num_preemptions > 0
+    assert sum(g.outputs[0].num_accepted_tokens for g in got) > 0
+    assert tight.engine.kv.num_used_blocks == 0
