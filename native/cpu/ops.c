@@ -125,6 +125,7 @@ void forge_add_bias(uint16_t *x, int64_t T, int64_t N, int64_t stride, const uin
  * K % 16 == 0, N % 16 == 0, R <= MAX_LORA_RANK. */
 #define MAX_LORA_RANK 256
 #define LORA_ROWS 4  /* rows that share each pass over an adapter's weights */
+#define LORA_RANKS 4  /* rows of A that share each load of x */
 
 static inline __m512 load_either(const void *p, int bf16, int64_t at) {
     return bf16 ? bf16x16((const uint16_t *)p + at) : _mm512_loadu_ps((const float *)p + at);
@@ -137,15 +138,23 @@ static inline __attribute__((always_inline)) void lora_rows(const void *x, int x
                                                             const float *A, int64_t R, const float *Bt, int64_t N,
                                                             void *y, int y_bf16, int64_t y_stride) {
     float t[LORA_ROWS][MAX_LORA_RANK];
-    for (int64_t r = 0; r < R; r++) {
-        __m512 acc[LORA_ROWS];
-        for (int j = 0; j < nb; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t r0 = 0; r0 < R; r0 += LORA_RANKS) {  /* LORA_RANKS rows of A at a time: each x load serves them */
+        const int64_t rb = R - r0 < LORA_RANKS ? R - r0 : LORA_RANKS;
+        __m512 acc[LORA_ROWS][LORA_RANKS];
+        for (int j = 0; j < nb; j++)
+            for (int i = 0; i < LORA_RANKS; i++) acc[j][i] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 16) {
-            const __m512 a = _mm512_loadu_ps(A + r * K + k);
-            for (int j = 0; j < nb; j++)
-                acc[j] = _mm512_fmadd_ps(load_either(x, x_bf16, rows[j] * x_stride + k), a, acc[j]);
+            __m512 xv[LORA_ROWS];
+            for (int j = 0; j < nb; j++) xv[j] = load_either(x, x_bf16, rows[j] * x_stride + k);
+#pragma GCC unroll 4
+            for (int i = 0; i < LORA_RANKS; i++) {
+                if (i >= rb) break;
+                const __m512 a = _mm512_loadu_ps(A + (r0 + i) * K + k);
+                for (int j = 0; j < nb; j++) acc[j][i] = _mm512_fmadd_ps(xv[j], a, acc[j][i]);
+            }
         }
-        for (int j = 0; j < nb; j++) t[j][r] = _mm512_reduce_add_ps(acc[j]);
+        for (int j = 0; j < nb; j++)
+            for (int64_t i = 0; i < rb; i++) t[j][r0 + i] = _mm512_reduce_add_ps(acc[j][i]);
     }
     for (int64_t n = 0; n < N; n += 16) {
         __m512 acc[LORA_ROWS];
