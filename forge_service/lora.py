@@ -19,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 import torch
 from safetensors import safe_open
@@ -79,14 +79,50 @@ def _pattern_value(pattern: dict, module: str, default):
     return default
 
 
+Pairs = dict[tuple[int, str], dict[str, torch.Tensor]]  # (layer, PEFT module name) -> {"A": .., "B": ..}
+Scale = Callable[[int, str, int], float]  # (layer, module, rank) -> the update's scale
+
+
 def load_adapter(name: str, path: str | Path, arch: ArchConfig, max_rank: int) -> LoraAdapter:
-    """A PEFT LoRA directory -> its fp32 updates in Forge's projection layout; ModelLoadError
-    naming the file and what is unsupported or does not fit `arch`."""
+    """A LoRA adapter -> its fp32 updates in Forge's projection layout: a PEFT directory, or a
+    llama.cpp adapter GGUF (convert_lora_to_gguf's). ModelLoadError naming the file and what is
+    unsupported or does not fit `arch`."""
     root = Path(path)
 
     def fail(reason: str) -> NoReturn:
         raise ModelLoadError(str(root), f"LoRA adapter {name!r}: {reason}")
 
+    pairs, scale_of = _gguf_pairs(root, arch, fail) if root.is_file() else _peft_pairs(name, root, arch, fail)
+    if not pairs:
+        fail("it holds no LoRA weights")
+    projections = _projections(arch)
+    adapter = LoraAdapter(name, str(root), 0, [{} for _ in range(arch.num_layers)])
+    for (layer, module), ab in sorted(pairs.items()):
+        if module not in projections:
+            fail(f"layer {layer}: it adapts {module}, which this {arch.architecture} model does not have (it has "
+                 f"{', '.join(projections)})")
+        if not 0 <= layer < arch.num_layers:
+            fail(f"it names layer {layer}; the model has {arch.num_layers}")
+        if set(ab) != {"A", "B"}:
+            fail(f"layer {layer} {module} has lora_{''.join(ab)} without its other half")
+        projection, offset, out_width, in_width = projections[module]
+        a, b = ab["A"].float(), ab["B"].float()
+        rank = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or rank < 1 or a.shape[1] != in_width or b.shape != (out_width, rank):
+            fail(f"layer {layer} {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; this model needs "
+                 f"A [r, {in_width}] and B [{out_width}, r] (an adapter of another base model?)")
+        if rank > max_rank:
+            fail(f"layer {layer} {module} has rank {rank}, above --max-lora-rank {max_rank}")
+        scale = scale_of(layer, module, rank)
+        if not math.isfinite(scale) or not torch.isfinite(a).all() or not torch.isfinite(b).all():
+            fail(f"layer {layer} {module} has a value that is not finite")
+        module_update = LoraModule(a.contiguous(), (b.T * scale).contiguous(), offset)
+        adapter.layers[layer].setdefault(projection, []).append(module_update)
+        adapter.rank = max(adapter.rank, rank)
+    return adapter
+
+
+def _peft_pairs(name: str, root: Path, arch: ArchConfig, fail: Callable[[str], NoReturn]) -> tuple[Pairs, Scale]:
     config_path, weights_path = root / CONFIG_FILE, root / WEIGHTS_FILE
     if not config_path.is_file():
         fail(f"no {CONFIG_FILE} in {root}")
@@ -99,46 +135,66 @@ def load_adapter(name: str, path: str | Path, arch: ArchConfig, max_rank: int) -
     except ValueError as error:
         fail(f"{config_path} is not JSON: {error}")
     _check_config(name, root, config)
-    scaling_alpha = float(config.get("lora_alpha", 8))
-    projections = _projections(arch)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    pairs: Pairs = {}
     with safe_open(str(weights_path), framework="pt") as f:
         for key in f.keys():
             match = _KEY.search(key)
             if match is None:
                 fail(f"{key} is not a LoRA update of a layer's attention or MLP projection (adapted "
                      "embeddings, lm_head and modules_to_save are not served)")
-            layer, module, which = int(match[1]), match[2], match[3]
-            if module not in projections:
-                fail(f"{key} adapts {module}, which this {arch.architecture} model does not have (it has "
-                     f"{', '.join(projections)})")
-            if not 0 <= layer < arch.num_layers:
-                fail(f"{key} names layer {layer}; the model has {arch.num_layers}")
-            pairs.setdefault((layer, module), {})[which] = f.get_tensor(key)
-    if not pairs:
-        fail(f"{weights_path} holds no LoRA weights")
-    adapter = LoraAdapter(name, str(root), 0, [{} for _ in range(arch.num_layers)])
-    for (layer, module), ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            fail(f"layer {layer} {module} has lora_{''.join(ab)} without its other half")
-        projection, offset, out_width, in_width = projections[module]
-        a, b = ab["A"].float(), ab["B"].float()
-        rank = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or rank < 1 or a.shape[1] != in_width or b.shape != (out_width, rank):
-            fail(f"layer {layer} {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; this model needs "
-                 f"A [r, {in_width}] and B [{out_width}, r] (an adapter of another base model?)")
-        if rank > max_rank:
-            fail(f"layer {layer} {module} has rank {rank}, above --max-lora-rank {max_rank}")
-        block = "self_attn" if projection in ("qkv", "o_proj") else "mlp"
-        full_name = f"model.layers.{layer}.{block}.{module}"
-        alpha = float(_pattern_value(config.get("alpha_pattern"), full_name, scaling_alpha))
-        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-        if not math.isfinite(scale) or not torch.isfinite(a).all() or not torch.isfinite(b).all():
-            fail(f"layer {layer} {module} has a value that is not finite")
-        module_update = LoraModule(a.contiguous(), (b.T * scale).contiguous(), offset)
-        adapter.layers[layer].setdefault(projection, []).append(module_update)
-        adapter.rank = max(adapter.rank, rank)
-    return adapter
+            pairs.setdefault((int(match[1]), match[2]), {})[match[3]] = f.get_tensor(key)
+
+    def scale_of(layer: int, module: str, rank: int) -> float:
+        block = "mlp" if module in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") else "self_attn"
+        alpha = float(_pattern_value(config.get("alpha_pattern"), f"model.layers.{layer}.{block}.{module}",
+                                     config.get("lora_alpha", 8)))
+        return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+    return pairs, scale_of
+
+
+def _gguf_pairs(path: Path, arch: ArchConfig, fail: Callable[[str], NoReturn]) -> tuple[Pairs, Scale]:
+    """llama.cpp's adapter GGUF: general.type "adapter", adapter.type "lora", adapter.lora.alpha,
+    and per adapted tensor `blk.N.<name>.weight.lora_a` [r, in] and `.lora_b` [out, r], B's rows in
+    llama.cpp's order (Q/K rows permuted where its general.architecture's weights are: a Llama's, a
+    Mistral's)."""
+    from forge_service.loaders import gguf as loader
+    from forge_service.loaders.gguf_file import read_gguf
+
+    reader = read_gguf(str(path))
+    meta = loader.Metadata(str(path), reader)
+    kind = meta.get("general.type", None)
+    if kind != "adapter" or meta.get("adapter.type", None) != "lora":
+        fail(f"a GGUF of general.type {kind!r} and adapter.type {meta.get('adapter.type', None)!r}, not a LoRA "
+             "adapter (a llama.cpp LoRA GGUF says 'adapter' and 'lora')")
+    architecture = meta.get("general.architecture", None)
+    served = loader.SUPPORTED_ARCHITECTURES.get(architecture)
+    if not (served == arch.architecture or (served, arch.architecture) == ("llama", "mistral")):  # (Mistral: llama)
+        fail(f"an adapter of a {architecture!r} model, and this one is a {arch.architecture!r} model")
+    alpha = float(meta.get("adapter.lora.alpha", 0.0))
+    pairs: Pairs = {}
+    for t in reader.tensors:
+        base, dot, which = t.name.rpartition(".")
+        if not dot or which not in ("lora_a", "lora_b"):
+            fail(f"tensor {t.name} is not a LoRA update (its name ends in neither .lora_a nor .lora_b)")
+        if t.tensor_type not in loader.DECODERS:
+            fail(f"tensor {t.name} has type {t.tensor_type.name}")
+        try:
+            hf = loader.hf_name(str(path), base, arch.fused_projections).split(".")
+        except ModelLoadError:
+            hf = []
+        if len(hf) != 6 or not hf[4].endswith("_proj"):  # model.layers.N.<block>.<module>.weight
+            fail(f"tensor {t.name} is not a LoRA update of a layer's attention or MLP projection")
+        layer, module = hf[2], hf[4]
+        value = loader.DECODERS[t.tensor_type](t).float()
+        if which == "lora_b" and architecture in loader.PERMUTED_QK and module in ("q_proj", "k_proj"):
+            value = loader.unpermute_qk(value, arch.num_heads if module == "q_proj" else arch.num_kv_heads)
+        pairs.setdefault((int(layer), module), {})["A" if which == "lora_a" else "B"] = value
+
+    def scale_of(layer: int, module: str, rank: int) -> float:
+        return alpha / rank if alpha else 1.0  # llama.cpp's: no alpha, no scaling
+
+    return pairs, scale_of
 
 
 def _check_config(name: str, root: Path, config: dict) -> None:

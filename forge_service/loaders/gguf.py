@@ -23,7 +23,7 @@ SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                            "phi3": "phi3"}
 # Whose Q/K rows convert_hf_to_gguf permuted: llama.cpp's Llama rotates adjacent pairs. Qwen's
 # rotary (llama.cpp's NEOX) rotates halves as Hugging Face does, so its rows are stored as they are.
-_PERMUTED_QK = {"llama", "smollm3"}
+PERMUTED_QK = {"llama", "smollm3"}
 
 # llama.cpp tensor names -> Hugging Face names. Per-layer names are under blk.{i}.
 _GLOBAL_NAMES = {
@@ -96,7 +96,7 @@ def load_gguf(path: str, dtype: torch.dtype, lazy_coded: bool = False) -> Checkp
     Checkpoint.decoders): half of loading the default model, and its largest transient memory."""
     reader = read_gguf(path)
     arch = check_arch(path, arch_from_gguf(path, reader))
-    tensors = {_hf_name(path, t.name, arch.fused_projections): t for t in reader.tensors}
+    tensors = {hf_name(path, t.name, arch.fused_projections): t for t in reader.tensors}
     check_tensors(path, arch, {n: tuple(reversed(t.shape.tolist())) for n, t in tensors.items()},
                   display=lambda n: f"{gguf_name(n)} ({n})")
     _check_types(path, tensors.values())
@@ -115,7 +115,7 @@ def load_gguf(path: str, dtype: torch.dtype, lazy_coded: bool = False) -> Checkp
 
 def arch_from_gguf(path: str, reader: GGUFFile) -> ArchConfig:
     """The ArchConfig described by a GGUF's `general.architecture` and `{arch}.*` metadata."""
-    meta = _Metadata(path, reader)
+    meta = Metadata(path, reader)
     name = meta.get("general.architecture")
     if name not in SUPPORTED_ARCHITECTURES:
         supported = sorted(SUPPORTED_ARCHITECTURES)
@@ -153,7 +153,7 @@ def arch_from_gguf(path: str, reader: GGUFFile) -> ArchConfig:
     )
 
 
-class _Metadata:
+class Metadata:
     """Typed access to GGUF key/values; a missing required key is a ModelLoadError."""
 
     _REQUIRED = object()
@@ -183,7 +183,7 @@ def _vocab_length(path: str, reader: GGUFFile) -> int:
     return len(tokens.value)
 
 
-def _rope_scaling(meta: _Metadata, a: str) -> dict[str, Any] | None:
+def _rope_scaling(meta: Metadata, a: str) -> dict[str, Any] | None:
     kind = meta.get(f"{a}.rope.scaling.type", None)
     if kind is None and meta.get(f"{a}.rope.scale_linear", None) is not None:  # older files
         return {"rope_type": "linear", "factor": meta.get(f"{a}.rope.scale_linear")}
@@ -197,14 +197,14 @@ def _rope_scaling(meta: _Metadata, a: str) -> dict[str, Any] | None:
     return scaling
 
 
-def _eos_ids(meta: _Metadata) -> tuple[int, ...]:
+def _eos_ids(meta: Metadata) -> tuple[int, ...]:
     # llama.cpp also stops on end-of-turn / end-of-message tokens, as HF generation configs list them.
     keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
     ids = [meta.get(k, None) for k in keys]
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
-def _hf_name(path: str, name: str, fused: bool = False) -> str:
+def hf_name(path: str, name: str, fused: bool = False) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts = name.split(".", 2)
@@ -241,9 +241,9 @@ def _decode(t: Tensor, name: str, arch: ArchConfig, dtype: torch.dtype) -> torch
     w = DECODERS[t.tensor_type](t)  # [out, in] or [n]
     if name == ROPE_FREQ_FACTORS:
         return w.float().contiguous()
-    if arch.architecture in _PERMUTED_QK and name.endswith("q_proj.weight"):
+    if arch.architecture in PERMUTED_QK and name.endswith("q_proj.weight"):
         w = unpermute_qk(w, arch.num_heads)
-    elif arch.architecture in _PERMUTED_QK and name.endswith("k_proj.weight"):
+    elif arch.architecture in PERMUTED_QK and name.endswith("k_proj.weight"):
         w = unpermute_qk(w, arch.num_kv_heads)
     return w.to(dtype).contiguous()
 
@@ -253,7 +253,7 @@ def _codes(read: Callable[[np.ndarray, QType, int, int], Int4Weight | Int8Weight
     """A projection's quantised codes, read by `read`, in HF row order."""
     rows, cols = reversed(t.shape.tolist())
     w = read(t.data, t.tensor_type, rows, cols)
-    if arch.architecture not in _PERMUTED_QK:
+    if arch.architecture not in PERMUTED_QK:
         return w
     if name.endswith("q_proj.weight"):
         return w.rows(unpermute_qk(torch.arange(rows), arch.num_heads))

@@ -321,3 +321,72 @@ def test_adapted_greedy_tokens_survive_preemption_and_speculation(coded: tuple[s
     assert tight.engine.num_preemptions > 0
     assert sum(g.outputs[0].num_accepted_tokens for g in got) > 0
     assert tight.engine.kv.num_used_blocks == 0
+
+
+def write_gguf_adapter(peft_dir: Path, out: Path, arch, qtype: str = "F32", alpha: float | None = None,
+                       general_type: str = "adapter", architecture: str = "llama", permute: bool = True) -> Path:
+    """A PEFT adapter as llama.cpp's convert_lora_to_gguf writes it: blk.N.<tensor>.weight.lora_a / .lora_b,
+    B's Q/K rows permuted as a Llama GGUF's weights are."""
+    import gguf
+
+    from tests.tiny_models import _add_tensor, gguf_tensor_name, permute_qk
+
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    w = gguf.GGUFWriter(str(out), architecture)
+    w.add_type(general_type)
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(config["lora_alpha"] if alpha is None else alpha))
+    for key, value in load_file(peft_dir / "adapter_model.safetensors").items():
+        hf = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight").replace(".lora_B.weight",
+                                                                                                 ".weight")
+        data = value.float().numpy()
+        if permute and ".lora_B." in key and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            data = permute_qk(data, arch.num_heads if "q_proj" in hf else arch.num_kv_heads)
+        _add_tensor(w, gguf_tensor_name(hf) + (".lora_a" if ".lora_A." in key else ".lora_b"), data, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_a_llama_cpp_gguf_adapter_serves_as_its_peft_directory(coded: tuple[str, str], tmp_path: Path) -> None:
+    path, spec = coded
+    arch = tiny_arch(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+    peft_dir = Path(spec.split(",")[1].split("=", 1)[1])  # adapter b: q, v, gate, down at rank 8
+    exact = write_gguf_adapter(peft_dir, tmp_path / "b.gguf", arch)
+    halves = write_gguf_adapter(peft_dir, tmp_path / "b16.gguf", arch, qtype="F16")
+    unpermuted = write_gguf_adapter(peft_dir, tmp_path / "flat.gguf", arch, permute=False)
+    llm = LLM(model=path, dtype="bfloat16", lora_modules=f"dir={peft_dir},gguf={exact},f16={halves},flat={unpermuted}")
+    params = {a: SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0, adapter=a)
+              for a in ("dir", "gguf", "f16", "flat")}
+    out = {a: llm.generate([PROMPT], p)[0].outputs[0] for a, p in params.items()}
+    assert out["gguf"].token_ids == out["dir"].token_ids  # fp32 tensors: the same updates, bit for bit
+    assert [p[0].logprob for p in out["gguf"].logprobs] == [p[0].logprob for p in out["dir"].logprobs]
+    assert out["f16"].token_ids[:8] == out["dir"].token_ids[:8]  # fp16-rounded A and B
+    # B's Q/K rows read as stored (not un-permuted) would put the updates on the wrong rotary halves
+    assert out["flat"].token_ids != out["dir"].token_ids
+    other = write_gguf_adapter(peft_dir, tmp_path / "qwen.gguf", arch, architecture="qwen2")
+    with pytest.raises(ModelLoadError, match="an adapter of a 'qwen2' model, and this one is a 'llama' model"):
+        LLM(model=path, dtype="bfloat16", lora_modules=f"x={other}")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"general_type": "model"}, "general.type 'model' and adapter.type 'lora', not a LoRA adapter"),
+    ({"alpha": 0.0}, None),  # llama.cpp's: no alpha, scale 1
+])
+def test_gguf_adapter_metadata(coded: tuple[str, str], tmp_path: Path, change: dict, message: str | None) -> None:
+    path, spec = coded
+    arch = tiny_arch(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+    peft_dir = Path(spec.split(",")[0].split("=", 1)[1])
+    adapter = write_gguf_adapter(peft_dir, tmp_path / "a.gguf", arch, **change)
+    if message:
+        with pytest.raises(ModelLoadError, match=message):
+            LLM(model=path, dtype="float32", lora_modules=f"x={adapter}")
+        return
+    from forge_service import lora
+
+    loaded = lora.load_adapter("x", adapter, arch, 64)
+    reference = lora.load_adapter("y", peft_dir, arch, 64)  # alpha 8 over rank 4: scale 2
+    for got, want in zip(loaded.layers[1]["qkv"], reference.layers[1]["qkv"]):
+        torch.testing.assert_close(got.bt * 2, want.bt)
