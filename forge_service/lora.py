@@ -146,8 +146,10 @@ def _peft_pairs(name: str, root: Path, arch: ArchConfig, fail: Callable[[str], N
 
     def scale_of(layer: int, module: str, rank: int) -> float:
         block = "mlp" if module in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") else "self_attn"
-        alpha = float(_pattern_value(config.get("alpha_pattern"), f"model.layers.{layer}.{block}.{module}",
-                                     config.get("lora_alpha", 8)))
+        alpha = _pattern_value(config.get("alpha_pattern"), f"model.layers.{layer}.{block}.{module}",
+                               config.get("lora_alpha", 8))
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+            fail(f"layer {layer} {module} has lora_alpha {alpha!r} (alpha_pattern), not a number")
         return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
     return pairs, scale_of
@@ -167,6 +169,9 @@ def _gguf_pairs(path: Path, arch: ArchConfig, fail: Callable[[str], NoReturn]) -
     if kind != "adapter" or meta.get("adapter.type", None) != "lora":
         fail(f"a GGUF of general.type {kind!r} and adapter.type {meta.get('adapter.type', None)!r}, not a LoRA "
              "adapter (a llama.cpp LoRA GGUF says 'adapter' and 'lora')")
+    if meta.get("adapter.alora.invocation_tokens", None) is not None:
+        fail("an activated LoRA (adapter.alora.invocation_tokens), which applies only after its invocation, is "
+             "not supported")
     architecture = meta.get("general.architecture", None)
     served = loader.SUPPORTED_ARCHITECTURES.get(architecture)
     if not (served == arch.architecture or (served, arch.architecture) == ("llama", "mistral")):  # (Mistral: llama)

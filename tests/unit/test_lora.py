@@ -170,6 +170,7 @@ def _edit_adapter(src: Path, dst: Path, config: dict | None = None, tensors=None
     ({"config": {"bias": "lora_only"}}, "bias 'lora_only'"),
     ({"config": {"modules_to_save": ["lm_head"]}}, "modules_to_save"),
     ({"config": {"peft_type": "IA3"}}, "peft_type 'IA3'"),
+    ({"config": {"alpha_pattern": {"q_proj": "big"}}}, "layer 0 q_proj has lora_alpha 'big' \\(alpha_pattern\\)"),
     ({"tensors": lambda w: w | {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}},
      "lm_head.lora_A.weight is not a LoRA update"),
     ({"tensors": lambda w: {k: v for k, v in w.items() if "layers.1.mlp.up_proj.lora_B" not in k}},
@@ -324,7 +325,8 @@ def test_adapted_greedy_tokens_survive_preemption_and_speculation(coded: tuple[s
 
 
 def write_gguf_adapter(peft_dir: Path, out: Path, arch, qtype: str = "F32", alpha: float | None = None,
-                       general_type: str = "adapter", architecture: str = "llama", permute: bool = True) -> Path:
+                       general_type: str = "adapter", architecture: str = "llama", permute: bool = True,
+                       invocation: list[int] | None = None) -> Path:
     """A PEFT adapter as llama.cpp's convert_lora_to_gguf writes it: blk.N.<tensor>.weight.lora_a / .lora_b,
     B's Q/K rows permuted as a Llama GGUF's weights are."""
     import gguf
@@ -336,6 +338,8 @@ def write_gguf_adapter(peft_dir: Path, out: Path, arch, qtype: str = "F32", alph
     w.add_type(general_type)
     w.add_string("adapter.type", "lora")
     w.add_float32("adapter.lora.alpha", float(config["lora_alpha"] if alpha is None else alpha))
+    if invocation:
+        w.add_array("adapter.alora.invocation_tokens", invocation)
     for key, value in load_file(peft_dir / "adapter_model.safetensors").items():
         hf = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight").replace(".lora_B.weight",
                                                                                                  ".weight")
@@ -373,6 +377,7 @@ def test_a_llama_cpp_gguf_adapter_serves_as_its_peft_directory(coded: tuple[str,
 
 @pytest.mark.parametrize("change, message", [
     ({"general_type": "model"}, "general.type 'model' and adapter.type 'lora', not a LoRA adapter"),
+    ({"invocation": [5, 6]}, "an activated LoRA"),
     ({"alpha": 0.0}, None),  # llama.cpp's: no alpha, scale 1
 ])
 def test_gguf_adapter_metadata(coded: tuple[str, str], tmp_path: Path, change: dict, message: str | None) -> None:
