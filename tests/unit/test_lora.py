@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import peft  # a dev dependency: the reference, never skipped
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -16,8 +17,6 @@ from forge_service.backends import cpu_kernels, torch_ref
 from forge_service.config import ModelConfig
 from forge_service.errors import InvalidArgument, ModelLoadError
 from tests.tiny_models import random_weights, tiny_arch, tiny_tokenizer_json, write_gguf, write_safetensors_dir
-
-peft = pytest.importorskip("peft")
 
 PROMPT = list(range(3, 40))
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
