@@ -76,7 +76,7 @@ class LoadedModel:
     adapters: tuple[str, ...] = ()  # LoRA adapters served beside it, by name (--lora-modules)
 
     def served_name(self, params) -> str:
-        """The name a request's responses and metrics carry: its adapter's, or the model's."""
+        """The name a request's responses, log line and trace carry: its adapter's, or the model's."""
         return params.adapter or self.name
 
 
@@ -127,8 +127,8 @@ class ForgeServicer(pb_grpc.ForgeServicer):
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         with self._service.observe("Embed", request, context) as rpc:
             async with self._rpc(context) as model:
-                prompts = await self._service.embed_prompts(request, model)
                 params = embeddings.embed_params(_check_model(request.model, model))
+                prompts = await self._service.embed_prompts(request, model)
                 rpc.prepared(model.served_name(params), [t for p in prompts for t in p], params)
                 limit = asyncio.Semaphore(EMBED_IN_FLIGHT)
                 try:
@@ -394,8 +394,8 @@ class ForgeService:
         return await _prepare(request, model, self.config, self._tokenizers)
 
     async def embed_prompts(self, request: pb.EmbedRequest, model: LoadedModel) -> list[list[int]]:
-        """An Embed request's inputs as token ids (in the tokenizer pool), each checked."""
-        _check_model(request.model, model)
+        """An Embed request's inputs as token ids (in the tokenizer pool), each checked (its model
+        is checked before: see Embed)."""
         if not 1 <= len(request.inputs) <= embeddings.MAX_INPUTS:
             raise InvalidArgument(f"inputs must hold 1 to {embeddings.MAX_INPUTS} texts, got {len(request.inputs)}",
                                   field="inputs")

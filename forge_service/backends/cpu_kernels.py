@@ -278,11 +278,15 @@ def head_rms_norm_(qk: torch.Tensor, split: int, first: torch.Tensor, rest: torc
 MAX_LORA_RANK = 256  # ops.c's MAX_LORA_RANK (config.MAX_LORA_RANK bounds --max-lora-rank by it)
 
 
+def _lora_shape(k: int, n: int, rank: int) -> bool:
+    """forge_lora_add's shapes: K and N whole 16-lane vectors, the rank within MAX_LORA_RANK."""
+    return k % 16 == 0 and n % 16 == 0 and rank <= MAX_LORA_RANK
+
+
 def lora_supported(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> bool:
     """Whether forge_lora_add takes y [T, N] and x [T, K] (bf16 or fp32, rows contiguous) with A [R, K]."""
     return (library() is not None and all(t.dtype in (torch.bfloat16, torch.float32) and t.stride(-1) == 1
-                                          for t in (y, x)) and x.shape[1] % 16 == 0 and y.shape[1] % 16 == 0
-            and a.shape[0] <= MAX_LORA_RANK)
+                                          for t in (y, x)) and _lora_shape(x.shape[1], y.shape[1], a.shape[0]))
 
 
 def lora_add_(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> None:
@@ -426,8 +430,8 @@ class DecodePlan:
         for layer in adapter.layers:
             for name in _PROJECTIONS:
                 for m in layer.get(name, ()):
-                    if not (m.a.is_contiguous() and m.bt.is_contiguous() and m.bt.shape[1] % 16 == 0
-                            and m.a.shape[1] % 16 == 0 and m.a.shape[0] <= MAX_LORA_RANK):
+                    if not (m.a.is_contiguous() and m.bt.is_contiguous()
+                            and _lora_shape(m.a.shape[1], m.bt.shape[1], m.a.shape[0])):
                         raise ValueError(f"LoRA adapter {adapter.name!r}: a module the fused step cannot take")
                     modules.append(_LoraModule(m.a.data_ptr(), m.bt.data_ptr(), m.a.shape[0], m.bt.shape[1],
                                                m.offset))
