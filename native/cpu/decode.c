@@ -14,15 +14,21 @@
  *
  * Attention is decode attention for the step's decode rows and prefill attention for each chunk
  * (which gives a query the bits decode attention would: see ops.c); the rest runs over all rows.
+ * A step of many decode rows is split between the threads by rows instead (forge_split_rows), each
+ * running the kernels on its own rows alone, with the same bits.
  * Rows of requests on a LoRA adapter get its updates right after each projection (forge_lora_add,
  * as the per-kernel path adds them: see forge_service/lora.py).
  *
  * Layouts are those of forge_service/backends/cpu.py: x [T, D] fp32 residual stream; the fused
  * projection's rows are q (H heads), k (Hkv), v (Hkv); caches [slots, Hkv, hd] bf16.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#define SPLIT_ROWS 8  /* rows a thread takes at least, where a step is split by rows */
+#define MAX_SPLIT 4   /* threads a step is split between by rows, at most */
 
 int forge_q4_linear(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
                     const uint16_t *wd16, const uint16_t *wm16, void *out, int out_bf16, int levels,
@@ -112,35 +118,14 @@ static int project(const forge_weight *w, const uint16_t *x, int64_t T, uint16_t
     return forge_q8_linear(x, 1, T, w->k, w->n, w->codes, w->scale, out, 1, w->levels, w->fine_above, threads);
 }
 
-/* T tokens through `count` layers. x [T, hidden] fp32, the embeddings, is updated in place; delta
- * [T, hidden] bf16 is the last layer's MLP output on return, still to be added to x. slots [T]: each
- * token's cache slot; cos, sin [T, head_dim] bf16.
- * Rows 0 .. decodes - 1 are decode tokens (one query each: a sequence's next token, or one of its
- * verified drafts): tables [decodes, width] block ids and lens [decodes] context lengths (the
- * token included). Then `chunks` prefill chunks, chunk c [3]: its first row, its L rows and its C
- * context tokens (its own last), whose slots follow the previous chunks' in context_slots.
- * lora [adapters]: the rows on each LoRA adapter (none: 0). */
-int forge_decode_layers(const forge_layer *layers, int64_t count, const forge_dims *dims, float *x, uint16_t *delta,
-                        int64_t T, const int64_t *slots, const uint16_t *cos, const uint16_t *sin, int64_t decodes,
-                        const int64_t *tables, int64_t width, const int32_t *lens, int64_t chunks,
-                        const int64_t *chunk, const int64_t *context_slots, const forge_lora_rows *lora,
-                        int64_t adapters, int threads) {
+/* The layer loop of forge_decode_layers over T rows (validated), kernels on `threads` threads. */
+static int run_layers(const forge_layer *layers, int64_t count, const forge_dims *dims, float *x, uint16_t *delta,
+                      int64_t T, const int64_t *slots, const uint16_t *cos, const uint16_t *sin, int64_t decodes,
+                      const int64_t *tables, int64_t width, const int32_t *lens, int64_t chunks,
+                      const int64_t *chunk, const int64_t *context_slots, const forge_lora_rows *lora,
+                      int64_t adapters, int threads) {
     const int64_t D = dims->hidden, H = dims->heads, Hkv = dims->kv_heads, hd = dims->head_dim;
     const int64_t F = dims->intermediate, Nqkv = (H + 2 * Hkv) * hd, kv = Hkv * hd;
-    for (int64_t l = 0; l < count; l++) {
-        const forge_layer *p = layers + l;
-        if (p->qkv.n != Nqkv || p->qkv.k != D || p->o.n != D || p->o.k != H * hd || p->gate_up.n != 2 * F ||
-            p->gate_up.k != D || p->down.n != D || p->down.k != F)
-            return BAD_SHAPE;
-    }
-    if (decodes < 0 || chunks < 0) return BAD_SHAPE;
-    int64_t rows = decodes;  /* the chunks tile rows decodes .. T - 1, in order */
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t *k = chunk + 3 * c;
-        if (k[0] != rows || k[1] < 1 || k[2] < k[1]) return BAD_SHAPE;
-        rows += k[1];
-    }
-    if (rows != T) return BAD_SHAPE;
     uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(T * (D + Nqkv + H * hd + 3 * F)));
     if (!h) return NO_MEMORY;
     uint16_t *qkv = h + T * D, *attn = qkv + T * Nqkv, *gate_up = attn + T * H * hd, *act = gate_up + T * 2 * F;
@@ -179,5 +164,91 @@ int forge_decode_layers(const forge_layer *layers, int64_t count, const forge_di
         adapt(lora, adapters, l, P_DOWN, act, F, delta, D, threads);
     }
     free(h);
+    return status;
+}
+
+/* Whether decode row r (0 < r) is another sequence's than row r - 1: a sequence's rows (its last
+ * token, then its drafts) are consecutive, with the same block table and lengths one apart. */
+static int starts_sequence(const int64_t *tables, int64_t width, const int32_t *lens, int64_t r) {
+    return lens[r] != lens[r - 1] + 1 || memcmp(tables + r * width, tables + (r - 1) * width, sizeof(int64_t) * width);
+}
+
+/* How a step of T decode rows splits between up to `threads` threads, each taking a run of whole
+ * sequences (a drafted sequence's rows read each other's keys and values, written in the same layer)
+ * of at least SPLIT_ROWS rows, as near equal as sequences allow: runs i of bounds[i] .. bounds[i + 1].
+ * Returns the number of runs (1: no split).
+ *
+ * Split by rows, the threads share no barrier in the step: by weight tiles, as each kernel shares out
+ * its own work, every kernel ends in one, ~300 a step on the default model. When another thread of
+ * the process (the server's event loop) or another process takes a core for a moment, the other
+ * thread waits at the next barrier for the one it preempted; by rows, it goes on with its own.
+ * Each thread then reads every weight (the second read mostly from the shared L3), so the split is
+ * kept to steps whose rows make the GEMMs compute-bound, and to a few threads. A row's results are
+ * the same either way (the kernels' results do not depend on the rows beside them). */
+int64_t forge_split_rows(int64_t T, const int64_t *tables, int64_t width, const int32_t *lens, int threads,
+                         int64_t *bounds) {
+    const int64_t parts = threads < MAX_SPLIT ? threads : MAX_SPLIT;
+    if (parts < 2 || T < SPLIT_ROWS * parts) return 1;
+    bounds[0] = 0;
+    for (int64_t i = 1; i < parts; i++) {
+        const int64_t want = T * i / parts;
+        const int64_t lowest = bounds[i - 1] + SPLIT_ROWS, highest = T - SPLIT_ROWS * (parts - i);
+        int64_t r = -1;
+        for (int64_t d = 0; d < T && r < 0; d++) {  /* the sequence start nearest the even split */
+            if (want - d >= lowest && want - d <= highest && starts_sequence(tables, width, lens, want - d))
+                r = want - d;
+            else if (want + d >= lowest && want + d <= highest && starts_sequence(tables, width, lens, want + d))
+                r = want + d;
+        }
+        if (r < 0) return 1;
+        bounds[i] = r;
+    }
+    bounds[parts] = T;
+    return parts;
+}
+
+/* T tokens through `count` layers. x [T, hidden] fp32, the embeddings, is updated in place; delta
+ * [T, hidden] bf16 is the last layer's MLP output on return, still to be added to x. slots [T]: each
+ * token's cache slot; cos, sin [T, head_dim] bf16.
+ * Rows 0 .. decodes - 1 are decode tokens (one query each: a sequence's next token, or one of its
+ * verified drafts): tables [decodes, width] block ids and lens [decodes] context lengths (the
+ * token included). Then `chunks` prefill chunks, chunk c [3]: its first row, its L rows and its C
+ * context tokens (its own last), whose slots follow the previous chunks' in context_slots.
+ * lora [adapters]: the rows on each LoRA adapter (none: 0). */
+int forge_decode_layers(const forge_layer *layers, int64_t count, const forge_dims *dims, float *x, uint16_t *delta,
+                        int64_t T, const int64_t *slots, const uint16_t *cos, const uint16_t *sin, int64_t decodes,
+                        const int64_t *tables, int64_t width, const int32_t *lens, int64_t chunks,
+                        const int64_t *chunk, const int64_t *context_slots, const forge_lora_rows *lora,
+                        int64_t adapters, int threads) {
+    const int64_t D = dims->hidden, H = dims->heads, Hkv = dims->kv_heads, hd = dims->head_dim;
+    const int64_t F = dims->intermediate, Nqkv = (H + 2 * Hkv) * hd;
+    for (int64_t l = 0; l < count; l++) {
+        const forge_layer *p = layers + l;
+        if (p->qkv.n != Nqkv || p->qkv.k != D || p->o.n != D || p->o.k != H * hd || p->gate_up.n != 2 * F ||
+            p->gate_up.k != D || p->down.n != D || p->down.k != F)
+            return BAD_SHAPE;
+    }
+    if (decodes < 0 || chunks < 0) return BAD_SHAPE;
+    int64_t rows = decodes;  /* the chunks tile rows decodes .. T - 1, in order */
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t *k = chunk + 3 * c;
+        if (k[0] != rows || k[1] < 1 || k[2] < k[1]) return BAD_SHAPE;
+        rows += k[1];
+    }
+    if (rows != T) return BAD_SHAPE;
+    /* A step of decode rows alone, of at least SPLIT_ROWS rows a thread, is split between the threads
+     * by rows, each running every layer on its own rows with no barrier between: see forge_split_rows. */
+    int64_t bounds[MAX_SPLIT + 1];
+    const int64_t parts = chunks || adapters ? 1 : forge_split_rows(T, tables, width, lens, threads, bounds);
+    if (parts < 2)
+        return run_layers(layers, count, dims, x, delta, T, slots, cos, sin, decodes, tables, width, lens, chunks,
+                          chunk, context_slots, lora, adapters, threads);
+    int status = OK;
+#pragma omp parallel for schedule(static, 1) num_threads(parts) reduction(| : status)
+    for (int64_t i = 0; i < parts; i++) {
+        const int64_t r0 = bounds[i], n = bounds[i + 1] - r0;
+        status |= run_layers(layers, count, dims, x + r0 * D, delta + r0 * D, n, slots + r0, cos + r0 * hd,
+                             sin + r0 * hd, n, tables + r0 * width, width, lens + r0, 0, NULL, NULL, NULL, 0, 1);
+    }
     return status;
 }

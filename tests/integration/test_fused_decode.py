@@ -86,3 +86,32 @@ def test_the_plan_takes_steps_of_any_size(llm_fp32):
                             decode_lens=torch.ones(64, dtype=torch.int32))
     assert plan.takes(big, 64) and plan.max_rows is None  # the native GEMMs take every batch size
     assert llm_fp32.engine.runner.model.decode_plan is None  # fp32, the reference, stays in torch
+
+
+def test_steps_split_by_rows_between_threads_get_the_per_kernel_path_s_bits():
+    # Decode steps of 16 rows and more run on 2 threads split by rows (native/cpu/decode.c,
+    # forge_split_rows), with drafts: a drafted sequence's rows stay on one thread. Prompts that
+    # repeat a run of words, and drafting priced as free (a step's fixed cost of 1,000 rows), so
+    # that most sequences draft at every batch size.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(dtype="bfloat16", enable_prefix_caching=False, speculative="ngram", spec_step_base_rows=1000)
+        model = llm.engine.runner.model
+        plan, steps = model.decode_plan, []
+
+        def run(x, cos, sin, kv_caches, meta):  # (decode rows, sequences among them) of each decode step
+            if not meta.prefills:
+                steps.append((meta.num_decode_tokens, len(torch.unique(meta.decode_block_tables, dim=0))))
+            return plan(x, cos, sin, kv_caches, meta)
+
+        run.takes = plan.takes
+        model.decode_plan = run
+        words = "red green blue yellow black white pink brown grey gold silver orange purple".split()
+        prompts = [llm.tokenizer.encode(" ".join((words[i % 13:] + words[:i % 13])[:6] * 5)) for i in range(24)]
+        fused = _run(llm, prompts)
+        assert any(rows >= 16 and rows > sequences for rows, sequences in steps)  # split steps, with drafts
+        model.decode_plan = None
+        assert _run(llm, prompts) == fused
+    finally:
+        torch.set_num_threads(threads)

@@ -357,3 +357,40 @@ def test_int8_quantisation_in_runs_of_rows_equals_it_in_one(monkeypatch: pytest.
     runs = Int8Weight.quantize(weight)
     assert torch.equal(runs.codes, whole.codes) and torch.equal(runs.scale, whole.scale)
     assert (whole.scale[7, 0], whole.codes[7, :32].abs().max()) == (0, 0)
+
+
+def _split(lens: list[int], tables: list[list[int]], threads: int) -> list[int]:
+    """forge_split_rows's runs of a step's decode rows (their context lengths and block tables)."""
+    t = torch.tensor(tables, dtype=torch.int64)
+    n = torch.tensor(lens, dtype=torch.int32)
+    bounds = torch.zeros(9, dtype=torch.int64)
+    parts = cpu_kernels.library().forge_split_rows(len(lens), t.data_ptr(), t.shape[1], n.data_ptr(), threads,
+                                                   bounds.data_ptr())
+    return bounds[:parts + 1].tolist() if parts > 1 else []
+
+
+def _sequences(rows: list[int]) -> tuple[list[int], list[list[int]]]:
+    """Decode rows of sequences with the given row counts (1: a plain decode, more: drafts): each
+    sequence its own block, its rows' lengths one apart."""
+    lens, tables = [], []
+    for s, count in enumerate(rows):
+        lens += [20 + s + i for i in range(count)]
+        tables += [[s + 1, 0]] * count
+    return lens, tables
+
+
+@pytest.mark.skipif(cpu_kernels.library() is None, reason="needs the native kernels")
+def test_a_decode_step_splits_by_rows_between_threads_only_between_sequences() -> None:
+    assert _split(*_sequences([1] * 16), threads=2) == [0, 8, 16]
+    assert _split(*_sequences([1] * 17), threads=2) == [0, 8, 17]
+    assert _split(*_sequences([1] * 15), threads=2) == []  # fewer than 8 rows a thread: by weight tiles
+    assert _split(*_sequences([1] * 32), threads=1) == []
+    assert _split(*_sequences([1] * 40), threads=16) == [0, 10, 20, 30, 40]  # at most 4 runs
+    # A drafted sequence's rows (9 .. 12) read each other's keys: the split falls beside them,
+    # at the nearest sequence start that leaves each side 8 rows.
+    assert _split(*_sequences([1] * 9 + [4] + [1] * 7), threads=2) == [0, 9, 20]
+    assert _split(*_sequences([1] * 8 + [3] + [1] * 9), threads=2) == [0, 11, 20]
+    assert _split(*_sequences([1] * 4 + [9] + [1] * 4), threads=2) == []  # no such start
+    # Rows of one table with lengths one apart are one sequence; otherwise each its own.
+    assert _split([5] * 16, [[1, 0]] * 16, threads=2) == [0, 8, 16]
+    assert _split(list(range(5, 21)), [[1, 0]] * 16, threads=2) == []
