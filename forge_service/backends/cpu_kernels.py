@@ -85,7 +85,7 @@ def library() -> ctypes.CDLL | None:
     lib.forge_prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, flag]
     lib.forge_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, ptr,
                                         ptr, i64, flag]
-    lib.forge_split_rows.argtypes = [i64, ptr, i64, ptr, flag, ptr]
+    lib.forge_split_rows.argtypes = [i64, i64, ptr, i64, ptr, i64, ptr, ctypes.c_double, flag, ptr]
     lib.forge_split_rows.restype = i64
     for name in ("forge_q4_linear", "forge_q8_linear", "forge_decode_attention", "forge_prefill_attention",
                  "forge_decode_layers"):

@@ -14,8 +14,8 @@
  *
  * Attention is decode attention for the step's decode rows and prefill attention for each chunk
  * (which gives a query the bits decode attention would: see ops.c); the rest runs over all rows.
- * A step of many decode rows is split between the threads by rows instead (forge_split_rows), each
- * running the kernels on its own rows alone, with the same bits.
+ * A step of many rows is split between the threads by rows instead (forge_split_rows), each running
+ * the kernels on its own rows alone, with the same bits.
  * Rows of requests on a LoRA adapter get its updates right after each projection (forge_lora_add,
  * as the per-kernel path adds them: see forge_service/lora.py).
  *
@@ -118,50 +118,94 @@ static int project(const forge_weight *w, const uint16_t *x, int64_t T, uint16_t
     return forge_q8_linear(x, 1, T, w->k, w->n, w->codes, w->scale, out, 1, w->levels, w->fine_above, threads);
 }
 
-/* The layer loop of forge_decode_layers over T rows (validated), kernels on `threads` threads. */
-static int run_layers(const forge_layer *layers, int64_t count, const forge_dims *dims, float *x, uint16_t *delta,
-                      int64_t T, const int64_t *slots, const uint16_t *cos, const uint16_t *sin, int64_t decodes,
-                      const int64_t *tables, int64_t width, const int32_t *lens, int64_t chunks,
-                      const int64_t *chunk, const int64_t *context_slots, const forge_lora_rows *lora,
-                      int64_t adapters, int threads) {
+typedef struct {  /* a prefill chunk in a run of rows: rows first .. first + rows - 1 of the run are the
+                   * last of its context's `length` tokens, whose cache slots are at `slots` */
+    int64_t first, rows, length;
+    const int64_t *slots;
+} forge_chunk;
+
+typedef struct {  /* rows of a step: their decode rows first, then their prefill chunks (or pieces of them) */
+    float *x;
+    uint16_t *delta;
+    int64_t T;
+    const int64_t *slots;
+    const uint16_t *cos, *sin;
+    int64_t decodes;
+    const int64_t *tables;  /* [decodes, width] */
+    const int32_t *lens;
+    int64_t chunks;
+    const forge_chunk *chunk;
+} forge_run;
+
+typedef struct {  /* a run's scratch: h [T, D], qkv [T, Nqkv], attn [T, H hd], gate_up [T, 2F], act [T, F] */
+    uint16_t *h, *qkv, *attn, *gate_up, *act;
+} forge_scratch;
+
+/* Layer l up to its cache writes: h = norm(x += delta); qkv = h Wqkv (bias, head norms, rotary); cache k, v. */
+static int layer_in(const forge_layer *p, int64_t l, const forge_dims *dims, const forge_run *r,
+                    const forge_scratch *s, const forge_lora_rows *lora, int64_t adapters, int threads) {
     const int64_t D = dims->hidden, H = dims->heads, Hkv = dims->kv_heads, hd = dims->head_dim;
-    const int64_t F = dims->intermediate, Nqkv = (H + 2 * Hkv) * hd, kv = Hkv * hd;
-    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(T * (D + Nqkv + H * hd + 3 * F)));
-    if (!h) return NO_MEMORY;
-    uint16_t *qkv = h + T * D, *attn = qkv + T * Nqkv, *gate_up = attn + T * H * hd, *act = gate_up + T * 2 * F;
+    const int64_t Nqkv = (H + 2 * Hkv) * hd, kv = Hkv * hd, T = r->T;
+    forge_add_rms_norm(r->x, l > 0 ? r->delta : NULL, p->input_norm, s->h, T, D, dims->eps, threads);
+    const int status = project(&p->qkv, s->h, T, s->qkv, threads);
+    if (status) return status;
+    adapt(lora, adapters, l, P_QKV, s->h, D, s->qkv, Nqkv, threads);
+    if (p->qkv_bias) forge_add_bias(s->qkv, T, Nqkv, Nqkv, p->qkv_bias, threads);
+    if (p->q_norm) forge_head_rms_norm(s->qkv, T, H + Hkv, H, hd, Nqkv, p->q_norm, p->k_norm, dims->eps, threads);
+    if (p->rope) forge_rotary(s->qkv, T, H + Hkv, hd, Nqkv, r->cos, r->sin, threads);
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(p->k_cache + r->slots[t] * kv, s->qkv + t * Nqkv + H * hd, sizeof(uint16_t) * (size_t)kv);
+        memcpy(p->v_cache + r->slots[t] * kv, s->qkv + t * Nqkv + (H + Hkv) * hd, sizeof(uint16_t) * (size_t)kv);
+    }
+    return OK;
+}
+
+/* The rest of layer l: o = attention(q); delta = o Wo; h = norm(x += delta); delta = (silu(h Wgate) * h Wup) Wdown. */
+static int layer_out(const forge_layer *p, int64_t l, const forge_dims *dims, const forge_run *r, int64_t width,
+                     const forge_scratch *s, const forge_lora_rows *lora, int64_t adapters, int threads) {
+    const int64_t D = dims->hidden, H = dims->heads, Hkv = dims->kv_heads, hd = dims->head_dim;
+    const int64_t F = dims->intermediate, Nqkv = (H + 2 * Hkv) * hd, T = r->T;
     int status = OK;
-    for (int64_t l = 0; l < count && status == OK; l++) {
-        const forge_layer *p = layers + l;
-        forge_add_rms_norm(x, l > 0 ? delta : NULL, p->input_norm, h, T, D, dims->eps, threads);
-        if ((status = project(&p->qkv, h, T, qkv, threads))) break;
-        adapt(lora, adapters, l, P_QKV, h, D, qkv, Nqkv, threads);
-        if (p->qkv_bias) forge_add_bias(qkv, T, Nqkv, Nqkv, p->qkv_bias, threads);
-        if (p->q_norm) forge_head_rms_norm(qkv, T, H + Hkv, H, hd, Nqkv, p->q_norm, p->k_norm, dims->eps, threads);
-        if (p->rope) forge_rotary(qkv, T, H + Hkv, hd, Nqkv, cos, sin, threads);
-        for (int64_t t = 0; t < T; t++) {
-            memcpy(p->k_cache + slots[t] * kv, qkv + t * Nqkv + H * hd, sizeof(uint16_t) * (size_t)kv);
-            memcpy(p->v_cache + slots[t] * kv, qkv + t * Nqkv + (H + Hkv) * hd, sizeof(uint16_t) * (size_t)kv);
+    if (r->decodes && (status = forge_decode_attention(s->qkv, Nqkv, p->k_cache, p->v_cache, r->tables, width,
+                                                       r->lens, dims->block_size, r->decodes, H, Hkv, hd,
+                                                       dims->scale, s->attn, threads)))
+        return status;
+    for (int64_t c = 0; c < r->chunks; c++) {  /* its status codes are these */
+        const forge_chunk *k = r->chunk + c;
+        if ((status = forge_prefill_attention(s->qkv + k->first * Nqkv, Nqkv, p->k_cache, p->v_cache, k->slots,
+                                              k->length, k->rows, H, Hkv, hd, dims->scale,
+                                              s->attn + k->first * H * hd, threads)))
+            return status;
+    }
+    if ((status = project(&p->o, s->attn, T, r->delta, threads))) return status;
+    adapt(lora, adapters, l, P_O, s->attn, H * hd, r->delta, D, threads);
+    forge_add_rms_norm(r->x, r->delta, p->post_norm, s->h, T, D, dims->eps, threads);
+    if ((status = project(&p->gate_up, s->h, T, s->gate_up, threads))) return status;
+    adapt(lora, adapters, l, P_GATE_UP, s->h, D, s->gate_up, 2 * F, threads);
+    forge_silu_mul(s->gate_up, s->act, T, F, threads);
+    if ((status = project(&p->down, s->act, T, r->delta, threads))) return status;
+    adapt(lora, adapters, l, P_DOWN, s->act, F, r->delta, D, threads);
+    return OK;
+}
+
+/* Every layer over a run of rows, kernels on `threads` threads. With `sync` (runs of one step on
+ * the threads of a team, a prefill chunk split between them), the team meets at a barrier after
+ * each layer's cache writes: a piece of a chunk attends to the keys and values of the pieces
+ * before it. Every thread then passes every barrier, on an error too. */
+static int run_layers(const forge_layer *layers, int64_t count, const forge_dims *dims, const forge_run *r,
+                      int64_t width, const forge_lora_rows *lora, int64_t adapters, int threads, int sync) {
+    const int64_t D = dims->hidden, H = dims->heads, Hkv = dims->kv_heads, hd = dims->head_dim;
+    const int64_t F = dims->intermediate, Nqkv = (H + 2 * Hkv) * hd, T = r->T;
+    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(T * (D + Nqkv + H * hd + 3 * F)));
+    int status = h ? OK : NO_MEMORY;
+    const forge_scratch s = {h, h + T * D, h + T * (D + Nqkv), h + T * (D + Nqkv + H * hd),
+                             h + T * (D + Nqkv + H * hd + 2 * F)};
+    for (int64_t l = 0; l < count && (sync || status == OK); l++) {
+        if (status == OK) status = layer_in(layers + l, l, dims, r, &s, lora, adapters, threads);
+        if (sync) {
+#pragma omp barrier
         }
-        if (decodes && (status = forge_decode_attention(qkv, Nqkv, p->k_cache, p->v_cache, tables, width, lens,
-                                                        dims->block_size, decodes, H, Hkv, hd, dims->scale, attn,
-                                                        threads)))
-            break;
-        const int64_t *context = context_slots;
-        for (int64_t c = 0; c < chunks && status == OK; c++) {  /* its status codes are these */
-            const int64_t first = chunk[3 * c], L = chunk[3 * c + 1], C = chunk[3 * c + 2];
-            status = forge_prefill_attention(qkv + first * Nqkv, Nqkv, p->k_cache, p->v_cache, context, C, L, H, Hkv,
-                                             hd, dims->scale, attn + first * H * hd, threads);
-            context += C;
-        }
-        if (status) break;
-        if ((status = project(&p->o, attn, T, delta, threads))) break;
-        adapt(lora, adapters, l, P_O, attn, H * hd, delta, D, threads);
-        forge_add_rms_norm(x, delta, p->post_norm, h, T, D, dims->eps, threads);
-        if ((status = project(&p->gate_up, h, T, gate_up, threads))) break;
-        adapt(lora, adapters, l, P_GATE_UP, h, D, gate_up, 2 * F, threads);
-        forge_silu_mul(gate_up, act, T, F, threads);
-        if ((status = project(&p->down, act, T, delta, threads))) break;
-        adapt(lora, adapters, l, P_DOWN, act, F, delta, D, threads);
+        if (status == OK) status = layer_out(layers + l, l, dims, r, width, &s, lora, adapters, threads);
     }
     free(h);
     return status;
@@ -173,36 +217,55 @@ static int starts_sequence(const int64_t *tables, int64_t width, const int32_t *
     return lens[r] != lens[r - 1] + 1 || memcmp(tables + r * width, tables + (r - 1) * width, sizeof(int64_t) * width);
 }
 
-/* How a step of T decode rows splits between up to `threads` threads, each taking a run of whole
- * sequences (a drafted sequence's rows read each other's keys and values, written in the same layer)
- * of at least SPLIT_ROWS rows, as near equal as sequences allow: runs i of bounds[i] .. bounds[i + 1].
- * Returns the number of runs (1: no split).
+/* How a step's T rows (decode rows 0 .. decodes - 1, then prefill chunks as forge_decode_layers
+ * takes them) split between up to `threads` threads: runs i of rows bounds[i] .. bounds[i + 1],
+ * each of at least SPLIT_ROWS rows, their costs as near equal as the rows allow. Returns the
+ * number of runs (1: no split). A row costs row_keys (its projections' work, in keys' worth of
+ * attention) plus the keys it attends to. A run starts at a sequence's first decode row (a drafted
+ * sequence's rows read each other's keys and values, written in the same layer, and stay on one
+ * thread), at the first chunk or anywhere in a chunk (forge_decode_layers then has the threads
+ * meet after each layer's cache writes).
  *
- * Split by rows, the threads share no barrier in the step: by weight tiles, as each kernel shares out
- * its own work, every kernel ends in one, ~300 a step on the default model. When another thread of
- * the process (the server's event loop) or another process takes a core for a moment, the other
- * thread waits at the next barrier for the one it preempted; by rows, it goes on with its own.
- * Each thread then reads every weight (the second read mostly from the shared L3), so the split is
- * kept to steps whose rows make the GEMMs compute-bound, and to a few threads. A row's results are
- * the same either way (the kernels' results do not depend on the rows beside them). */
-int64_t forge_split_rows(int64_t T, const int64_t *tables, int64_t width, const int32_t *lens, int threads,
-                         int64_t *bounds) {
+ * Split by rows, the threads share no barrier in a step of decode rows, and one a layer with a
+ * chunk split: split by weight tiles, as each kernel shares out its own work, every kernel ends in
+ * one, ~300 a step on the default model. When another thread of the process (the server's event
+ * loop) or another process takes a core for a moment, the other thread waits at the next barrier
+ * for the one it preempted; by rows, it goes on with its own. Each thread then reads every weight
+ * (the second read mostly from the shared L3), so the split is kept to steps whose rows make the
+ * GEMMs compute-bound, and to a few threads. A row's results are the same either way (the kernels'
+ * results do not depend on the rows beside them). */
+int64_t forge_split_rows(int64_t T, int64_t decodes, const int64_t *tables, int64_t width, const int32_t *lens,
+                         int64_t chunks, const int64_t *chunk, double row_keys, int threads, int64_t *bounds) {
     const int64_t parts = threads < MAX_SPLIT ? threads : MAX_SPLIT;
     if (parts < 2 || T < SPLIT_ROWS * parts) return 1;
+    double *cost = malloc(sizeof(double) * (size_t)(T + 1));  /* cost[r]: rows 0 .. r - 1's */
+    if (!cost) return 1;
+    cost[0] = 0.0;
+    for (int64_t d = 0; d < decodes; d++) cost[d + 1] = cost[d] + row_keys + lens[d];
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t first = chunk[3 * c], L = chunk[3 * c + 1], C = chunk[3 * c + 2];
+        for (int64_t j = 0; j < L; j++) cost[first + j + 1] = cost[first + j] + row_keys + (double)(C - L + j + 1);
+    }
     bounds[0] = 0;
-    for (int64_t i = 1; i < parts; i++) {
-        const int64_t want = T * i / parts;
+    int64_t i = 1;
+    for (; i < parts; i++) {
+        const double target = cost[T] * (double)i / (double)parts;
+        int64_t want = bounds[i - 1] + 1;  /* the row where the even split falls */
+        while (want < T && cost[want + 1] - target < target - cost[want]) want++;
         const int64_t lowest = bounds[i - 1] + SPLIT_ROWS, highest = T - SPLIT_ROWS * (parts - i);
         int64_t r = -1;
-        for (int64_t d = 0; d < T && r < 0; d++) {  /* the sequence start nearest the even split */
-            if (want - d >= lowest && want - d <= highest && starts_sequence(tables, width, lens, want - d))
-                r = want - d;
-            else if (want + d >= lowest && want + d <= highest && starts_sequence(tables, width, lens, want + d))
-                r = want + d;
+        for (int64_t d = 0; d < T && r < 0; d++) {  /* the allowed start nearest it */
+            for (int side = 0; side < 2 && r < 0; side++) {
+                const int64_t at = side ? want + d : want - d;
+                if (at >= lowest && at <= highest && (at >= decodes || starts_sequence(tables, width, lens, at)))
+                    r = at;
+            }
         }
-        if (r < 0) return 1;
+        if (r < 0) break;
         bounds[i] = r;
     }
+    free(cost);
+    if (i < parts) return 1;
     bounds[parts] = T;
     return parts;
 }
@@ -236,19 +299,54 @@ int forge_decode_layers(const forge_layer *layers, int64_t count, const forge_di
         rows += k[1];
     }
     if (rows != T) return BAD_SHAPE;
-    /* A step of decode rows alone, of at least SPLIT_ROWS rows a thread, is split between the threads
-     * by rows, each running every layer on its own rows with no barrier between: see forge_split_rows. */
-    int64_t bounds[MAX_SPLIT + 1];
-    const int64_t parts = chunks || adapters ? 1 : forge_split_rows(T, tables, width, lens, threads, bounds);
-    if (parts < 2)
-        return run_layers(layers, count, dims, x, delta, T, slots, cos, sin, decodes, tables, width, lens, chunks,
-                          chunk, context_slots, lora, adapters, threads);
-    int status = OK;
-#pragma omp parallel for schedule(static, 1) num_threads(parts) reduction(| : status)
-    for (int64_t i = 0; i < parts; i++) {
-        const int64_t r0 = bounds[i], n = bounds[i + 1] - r0;
-        status |= run_layers(layers, count, dims, x + r0 * D, delta + r0 * D, n, slots + r0, cos + r0 * hd,
-                             sin + r0 * hd, n, tables + r0 * width, width, lens + r0, 0, NULL, NULL, NULL, 0, 1);
+    /* the chunks as runs take them, then room for each run's pieces of them */
+    forge_chunk *whole = malloc(sizeof(forge_chunk) * (size_t)((MAX_SPLIT + 1) * chunks + 1));
+    if (!whole) return NO_MEMORY;
+    const int64_t *context = context_slots;
+    for (int64_t c = 0; c < chunks; c++) {
+        whole[c] = (forge_chunk){chunk[3 * c], chunk[3 * c + 1], chunk[3 * c + 2], context};
+        context += chunk[3 * c + 2];
     }
+    const forge_run step = {x, delta, T, slots, cos, sin, decodes, tables, lens, chunks, whole};
+    /* The step splits between the threads by rows (see forge_split_rows), but for LoRA adapters,
+     * whose rows are listed for the whole step. */
+    const double row_keys = (double)(D * Nqkv + H * hd * D + 3 * D * F) / (double)(8 * H * hd);
+    int64_t bounds[MAX_SPLIT + 1];
+    const int64_t parts = adapters ? 1 : forge_split_rows(T, decodes, tables, width, lens, chunks, chunk, row_keys,
+                                                          threads, bounds);
+    int status = OK;
+    if (parts < 2) {
+        status = run_layers(layers, count, dims, &step, width, lora, adapters, threads, 0);
+        free(whole);
+        return status;
+    }
+    forge_run runs[MAX_SPLIT];
+    int sync = 0;
+    for (int64_t i = 0; i < parts; i++) {
+        const int64_t r0 = bounds[i], r1 = bounds[i + 1], d1 = r1 < decodes ? r1 : decodes;
+        forge_run *r = runs + i;
+        *r = (forge_run){x + r0 * D, delta + r0 * D, r1 - r0, slots + r0, cos + r0 * hd, sin + r0 * hd,
+                         d1 > r0 ? d1 - r0 : 0, r0 < decodes ? tables + r0 * width : NULL,
+                         r0 < decodes ? lens + r0 : NULL, 0, whole + chunks * (i + 1)};
+        for (int64_t c = 0; c < chunks; c++) {  /* the part of each chunk in rows r0 .. r1 - 1 */
+            const forge_chunk *k = whole + c;
+            const int64_t a = k->first > r0 ? k->first : r0, b = k->first + k->rows < r1 ? k->first + k->rows : r1;
+            if (a >= b) continue;
+            sync |= a > k->first || b < k->first + k->rows;
+            /* rows a .. b - 1 see the context up to row b - 1's own token */
+            const int64_t length = k->length - (k->first + k->rows - b);
+            whole[chunks * (i + 1) + r->chunks++] = (forge_chunk){a - r0, b - a, length, k->slots};
+        }
+    }
+#pragma omp parallel num_threads(parts) reduction(| : status)
+    {
+        if (omp_get_num_threads() == parts) {
+            status |= run_layers(layers, count, dims, runs + omp_get_thread_num(), width, lora, 0, 1, sync);
+        } else {  /* fewer threads than runs (inside another parallel region): one thread, the whole step */
+#pragma omp single
+            status |= run_layers(layers, count, dims, &step, width, lora, 0, threads, 0);
+        }
+    }
+    free(whole);
     return status;
 }

@@ -115,3 +115,21 @@ def test_steps_split_by_rows_between_threads_get_the_per_kernel_path_s_bits():
         assert _run(llm, prompts) == fused
     finally:
         torch.set_num_threads(threads)
+
+
+def test_steps_with_prefill_chunks_split_by_rows_get_the_per_kernel_path_s_bits(fidelity_prompt_ids):
+    # Steps of 16 rows and more that carry prefill chunks split between 2 threads by rows, a chunk
+    # into pieces on both (their threads meet after each layer's cache writes).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=40)
+        model = llm.engine.runner.model
+        steps = _recorded(model)
+        prompts = fidelity_prompt_ids[:12]
+        fused = _run(llm, prompts)
+        assert any(decodes and chunks for decodes, chunks in steps)
+        model.decode_plan = None
+        assert _run(llm, prompts) == fused
+    finally:
+        torch.set_num_threads(threads)

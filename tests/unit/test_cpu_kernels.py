@@ -359,13 +359,20 @@ def test_int8_quantisation_in_runs_of_rows_equals_it_in_one(monkeypatch: pytest.
     assert (whole.scale[7, 0], whole.codes[7, :32].abs().max()) == (0, 0)
 
 
-def _split(lens: list[int], tables: list[list[int]], threads: int) -> list[int]:
-    """forge_split_rows's runs of a step's decode rows (their context lengths and block tables)."""
-    t = torch.tensor(tables, dtype=torch.int64)
-    n = torch.tensor(lens, dtype=torch.int32)
+def _split(lens: list[int], tables: list[list[int]], threads: int, chunks: tuple[tuple[int, int], ...] = (),
+           row_keys: float = 768.0) -> list[int]:
+    """forge_split_rows's runs of a step's rows: decode rows (their context lengths and block tables),
+    then prefill chunks of (rows, context length)."""
+    t = torch.tensor(tables or [[0]], dtype=torch.int64)
+    n = torch.tensor(lens or [0], dtype=torch.int32)
+    k, first = [], len(lens)
+    for rows, context in chunks:
+        k.append([first, rows, context])
+        first += rows
+    c = torch.tensor(k or [[0, 0, 0]], dtype=torch.int64)
     bounds = torch.zeros(9, dtype=torch.int64)
-    parts = cpu_kernels.library().forge_split_rows(len(lens), t.data_ptr(), t.shape[1], n.data_ptr(), threads,
-                                                   bounds.data_ptr())
+    parts = cpu_kernels.library().forge_split_rows(first, len(lens), t.data_ptr(), t.shape[1], n.data_ptr(),
+                                                   len(chunks), c.data_ptr(), row_keys, threads, bounds.data_ptr())
     return bounds[:parts + 1].tolist() if parts > 1 else []
 
 
@@ -380,9 +387,9 @@ def _sequences(rows: list[int]) -> tuple[list[int], list[list[int]]]:
 
 
 @pytest.mark.skipif(cpu_kernels.library() is None, reason="needs the native kernels")
-def test_a_decode_step_splits_by_rows_between_threads_only_between_sequences() -> None:
+def test_a_step_splits_by_rows_between_threads_between_sequences_and_in_chunks() -> None:
     assert _split(*_sequences([1] * 16), threads=2) == [0, 8, 16]
-    assert _split(*_sequences([1] * 17), threads=2) == [0, 8, 17]
+    assert _split(*_sequences([1] * 17), threads=2) == [0, 9, 17]  # the nearer to even cost
     assert _split(*_sequences([1] * 15), threads=2) == []  # fewer than 8 rows a thread: by weight tiles
     assert _split(*_sequences([1] * 32), threads=1) == []
     assert _split(*_sequences([1] * 40), threads=16) == [0, 10, 20, 30, 40]  # at most 4 runs
@@ -394,3 +401,12 @@ def test_a_decode_step_splits_by_rows_between_threads_only_between_sequences() -
     # Rows of one table with lengths one apart are one sequence; otherwise each its own.
     assert _split([5] * 16, [[1, 0]] * 16, threads=2) == [0, 8, 16]
     assert _split(list(range(5, 21)), [[1, 0]] * 16, threads=2) == []
+    # Rows weigh their projections (row_keys) and the keys they attend to: 8 rows of 1,000 keys
+    # against 16 of 10, where each row's projections are worth 100 keys.
+    assert _split([1000] * 8 + [10] * 16, [[s, 0] for s in range(24)], threads=2, row_keys=100.0) == [0, 8, 24]
+    # A chunk splits anywhere: 7 decode rows and a chunk of 121 rows, the first of a 121-token prompt.
+    # Its later rows attend to more keys, so the first thread takes more rows.
+    bounds = _split(*_sequences([1] * 7), threads=2, chunks=((121, 121),))
+    assert len(bounds) == 3 and 128 // 2 < bounds[1] < 128 - 8
+    assert _split([], [], threads=2, chunks=((8, 8), (8, 100))) == [0, 8, 16]  # between chunks
+    assert _split([], [], threads=2, chunks=((15, 15),)) == []
