@@ -28,7 +28,7 @@
 #include <string.h>
 
 #define SPLIT_ROWS 8  /* rows a thread takes at least, where a step is split by rows */
-#define MAX_SPLIT 4   /* threads a step is split between by rows, at most */
+#define MAX_SPLIT 4   /* the most threads a step is split between by rows (with more, by weight tiles) */
 
 int forge_q4_linear(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
                     const uint16_t *wd16, const uint16_t *wm16, void *out, int out_bf16, int levels,
@@ -218,7 +218,7 @@ static int starts_sequence(const int64_t *tables, int64_t width, const int32_t *
 }
 
 /* How a step's T rows (decode rows 0 .. decodes - 1, then prefill chunks as forge_decode_layers
- * takes them) split between up to `threads` threads: runs i of rows bounds[i] .. bounds[i + 1],
+ * takes them) split between `threads` threads, a run each: runs i of rows bounds[i] .. bounds[i + 1],
  * each of at least SPLIT_ROWS rows, their costs as near equal as the rows allow. Returns the
  * number of runs (1: no split). A row costs row_keys (its projections' work, in keys' worth of
  * attention) plus the keys it attends to. A run starts at a sequence's first decode row (a drafted
@@ -232,12 +232,13 @@ static int starts_sequence(const int64_t *tables, int64_t width, const int32_t *
  * loop) or another process takes a core for a moment, the other thread waits at the next barrier
  * for the one it preempted; by rows, it goes on with its own. Each thread then reads every weight
  * (the second read mostly from the shared L3), so the split is kept to steps whose rows make the
- * GEMMs compute-bound, and to a few threads. A row's results are the same either way (the kernels'
- * results do not depend on the rows beside them). */
+ * GEMMs compute-bound, and to machines of a few threads (MAX_SPLIT): with more, each thread's share
+ * of the memory bandwidth and of the caches would be the smaller. A row's results are the same
+ * either way (the kernels' results do not depend on the rows beside them). */
 int64_t forge_split_rows(int64_t T, int64_t decodes, const int64_t *tables, int64_t width, const int32_t *lens,
                          int64_t chunks, const int64_t *chunk, double row_keys, int threads, int64_t *bounds) {
-    const int64_t parts = threads < MAX_SPLIT ? threads : MAX_SPLIT;
-    if (parts < 2 || T < SPLIT_ROWS * parts) return 1;
+    const int64_t parts = threads;  /* each thread runs its kernels alone */
+    if (parts < 2 || parts > MAX_SPLIT || T < SPLIT_ROWS * parts) return 1;
     double *cost = malloc(sizeof(double) * (size_t)(T + 1));  /* cost[r]: rows 0 .. r - 1's */
     if (!cost) return 1;
     cost[0] = 0.0;

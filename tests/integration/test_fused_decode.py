@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -88,48 +89,47 @@ def test_the_plan_takes_steps_of_any_size(llm_fp32):
     assert llm_fp32.engine.runner.model.decode_plan is None  # fp32, the reference, stays in torch
 
 
-def test_steps_split_by_rows_between_threads_get_the_per_kernel_path_s_bits():
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """The kernels on 2 threads, which the split by rows needs, whatever this machine's default."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_steps_split_by_rows_between_threads_get_the_per_kernel_path_s_bits(two_threads):
     # Decode steps of 16 rows and more run on 2 threads split by rows (native/cpu/decode.c,
     # forge_split_rows), with drafts: a drafted sequence's rows stay on one thread. Prompts that
     # repeat a run of words, and drafting priced as free (a step's fixed cost of 1,000 rows), so
     # that most sequences draft at every batch size.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        llm = LLM(dtype="bfloat16", enable_prefix_caching=False, speculative="ngram", spec_step_base_rows=1000)
-        model = llm.engine.runner.model
-        plan, steps = model.decode_plan, []
+    llm = LLM(dtype="bfloat16", enable_prefix_caching=False, speculative="ngram", spec_step_base_rows=1000)
+    model = llm.engine.runner.model
+    plan, steps = model.decode_plan, []
 
-        def run(x, cos, sin, kv_caches, meta):  # (decode rows, sequences among them) of each decode step
-            if not meta.prefills:
-                steps.append((meta.num_decode_tokens, len(torch.unique(meta.decode_block_tables, dim=0))))
-            return plan(x, cos, sin, kv_caches, meta)
+    def run(x, cos, sin, kv_caches, meta):  # (decode rows, sequences among them) of each decode step
+        if not meta.prefills:
+            steps.append((meta.num_decode_tokens, len(torch.unique(meta.decode_block_tables, dim=0))))
+        return plan(x, cos, sin, kv_caches, meta)
 
-        run.takes = plan.takes
-        model.decode_plan = run
-        words = "red green blue yellow black white pink brown grey gold silver orange purple".split()
-        prompts = [llm.tokenizer.encode(" ".join((words[i % 13:] + words[:i % 13])[:6] * 5)) for i in range(24)]
-        fused = _run(llm, prompts)
-        assert any(rows >= 16 and rows > sequences for rows, sequences in steps)  # split steps, with drafts
-        model.decode_plan = None
-        assert _run(llm, prompts) == fused
-    finally:
-        torch.set_num_threads(threads)
+    run.takes = plan.takes
+    model.decode_plan = run
+    words = "red green blue yellow black white pink brown grey gold silver orange purple".split()
+    prompts = [llm.tokenizer.encode(" ".join((words[i % 13:] + words[:i % 13])[:6] * 5)) for i in range(24)]
+    fused = _run(llm, prompts)
+    assert any(rows >= 16 and rows > sequences for rows, sequences in steps)  # split steps, with drafts
+    model.decode_plan = None
+    assert _run(llm, prompts) == fused
 
 
-def test_steps_with_prefill_chunks_split_by_rows_get_the_per_kernel_path_s_bits(fidelity_prompt_ids):
+def test_steps_with_prefill_chunks_split_by_rows_get_the_per_kernel_path_s_bits(fidelity_prompt_ids, two_threads):
     # Steps of 16 rows and more that carry prefill chunks split between 2 threads by rows, a chunk
     # into pieces on both (their threads meet after each layer's cache writes).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        llm = LLM(dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=40)
-        model = llm.engine.runner.model
-        steps = _recorded(model)
-        prompts = fidelity_prompt_ids[:12]
-        fused = _run(llm, prompts)
-        assert any(decodes and chunks for decodes, chunks in steps)
-        model.decode_plan = None
-        assert _run(llm, prompts) == fused
-    finally:
-        torch.set_num_threads(threads)
+    llm = LLM(dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=40)
+    model = llm.engine.runner.model
+    steps = _recorded(model)
+    prompts = fidelity_prompt_ids[:12]
+    fused = _run(llm, prompts)
+    assert any(decodes and chunks for decodes, chunks in steps)
+    model.decode_plan = None
+    assert _run(llm, prompts) == fused

@@ -392,7 +392,8 @@ def test_a_step_splits_by_rows_between_threads_between_sequences_and_in_chunks()
     assert _split(*_sequences([1] * 17), threads=2) == [0, 9, 17]  # the nearer to even cost
     assert _split(*_sequences([1] * 15), threads=2) == []  # fewer than 8 rows a thread: by weight tiles
     assert _split(*_sequences([1] * 32), threads=1) == []
-    assert _split(*_sequences([1] * 40), threads=16) == [0, 10, 20, 30, 40]  # at most 4 runs
+    assert _split(*_sequences([1] * 40), threads=4) == [0, 10, 20, 30, 40]
+    assert _split(*_sequences([1] * 40), threads=16) == []  # many threads: by weight tiles
     # A drafted sequence's rows (9 .. 12) read each other's keys: the split falls beside them,
     # at the nearest sequence start that leaves each side 8 rows.
     assert _split(*_sequences([1] * 9 + [4] + [1] * 7), threads=2) == [0, 9, 20]
@@ -401,9 +402,9 @@ def test_a_step_splits_by_rows_between_threads_between_sequences_and_in_chunks()
     # Rows of one table with lengths one apart are one sequence; otherwise each its own.
     assert _split([5] * 16, [[1, 0]] * 16, threads=2) == [0, 8, 16]
     assert _split(list(range(5, 21)), [[1, 0]] * 16, threads=2) == []
-    # Rows weigh their projections (row_keys) and the keys they attend to: 8 rows of 1,000 keys
-    # against 16 of 10, where each row's projections are worth 100 keys.
-    assert _split([1000] * 8 + [10] * 16, [[s, 0] for s in range(24)], threads=2, row_keys=100.0) == [0, 8, 24]
+    # Rows weigh their projections (row_keys) and the keys they attend to: 16 rows of 1,000 keys
+    # and 32 of 10, where each row's projections are worth 100 keys, split after 10 rows, not 24.
+    assert _split([1000] * 16 + [10] * 32, [[s, 0] for s in range(48)], threads=2, row_keys=100.0) == [0, 10, 48]
     # A chunk splits anywhere: 7 decode rows and a chunk of 121 rows, the first of a 121-token prompt.
     # Its later rows attend to more keys, so the first thread takes more rows.
     bounds = _split(*_sequences([1] * 7), threads=2, chunks=((121, 121),))
