@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -13,6 +13,7 @@ import torch
 from forge_service import LLM, SamplingParams
 from forge_service.backends import cpu_kernels
 from forge_service.backends.base import AttentionMetadata, PrefillSeq
+from tests.integration.serving.servers import torch_threads
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(cpu_kernels.library() is None,
@@ -27,13 +28,17 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
     return [(o.token_ids, [[(lp.token_id, lp.logprob) for lp in pos] for pos in o.logprobs]) for o in outs]
 
 
-def _recorded(model) -> list[tuple[int, list[bool]]]:
-    """Swap in a plan that records each step it runs: (decode rows, for each prefill chunk whether
-    it continues an earlier one)."""
+def _chunks(meta) -> tuple[int, list[bool]]:
+    """A step's decode rows, and for each prefill chunk whether it continues an earlier one."""
+    return meta.num_decode_tokens, [seq.ctx_slots is not None for seq in meta.prefills]
+
+
+def _recorded(model, describe: Callable = _chunks) -> list:
+    """Swap in a plan that records each step it runs, as `describe` gives it."""
     plan, steps = model.decode_plan, []
 
     def run(x, cos, sin, kv_caches, meta):
-        steps.append((meta.num_decode_tokens, [seq.ctx_slots is not None for seq in meta.prefills]))
+        steps.append(describe(meta))
         return plan(x, cos, sin, kv_caches, meta)
 
     run.takes = plan.takes
@@ -92,10 +97,8 @@ def test_the_plan_takes_steps_of_any_size(llm_fp32):
 @pytest.fixture
 def two_threads() -> Iterator[None]:
     """The kernels on 2 threads, which the split by rows needs, whatever this machine's default."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(2):
+        yield
 
 
 def test_steps_split_by_rows_between_threads_get_the_per_kernel_path_s_bits(two_threads):
@@ -105,19 +108,13 @@ def test_steps_split_by_rows_between_threads_get_the_per_kernel_path_s_bits(two_
     # that most sequences draft at every batch size.
     llm = LLM(dtype="bfloat16", enable_prefix_caching=False, speculative="ngram", spec_step_base_rows=1000)
     model = llm.engine.runner.model
-    plan, steps = model.decode_plan, []
-
-    def run(x, cos, sin, kv_caches, meta):  # (decode rows, sequences among them) of each decode step
-        if not meta.prefills:
-            steps.append((meta.num_decode_tokens, len(torch.unique(meta.decode_block_tables, dim=0))))
-        return plan(x, cos, sin, kv_caches, meta)
-
-    run.takes = plan.takes
-    model.decode_plan = run
+    # each decode step's rows and the sequences among them (None for steps with prefill chunks)
+    steps = _recorded(model, lambda meta: None if meta.prefills else (
+        meta.num_decode_tokens, len(torch.unique(meta.decode_block_tables, dim=0))))
     words = "red green blue yellow black white pink brown grey gold silver orange purple".split()
     prompts = [llm.tokenizer.encode(" ".join((words[i % 13:] + words[:i % 13])[:6] * 5)) for i in range(24)]
     fused = _run(llm, prompts)
-    assert any(rows >= 16 and rows > sequences for rows, sequences in steps)  # split steps, with drafts
+    assert any(rows >= 16 and rows > sequences for rows, sequences in filter(None, steps))  # split, with drafts
     model.decode_plan = None
     assert _run(llm, prompts) == fused
 
