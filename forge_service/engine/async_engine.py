@@ -2,7 +2,8 @@
 
 The synchronous engine is not thread-safe, so only one thread (the engine thread) ever calls
 it. The event loop talks to that thread through a command deque guarded by a condition
-variable; the thread answers through `loop.call_soon_threadsafe`.
+variable; the thread answers through `loop.call_soon_threadsafe`, posting a step's outputs as
+the next step's model run starts (or at once when no step follows).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class SyncEngine(Protocol):
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     label: str | None = None) -> None: ...
     def abort_request(self, request_id: str, reason: str = "abort") -> None: ...
-    def step(self) -> list[Any]: ...
+    def step(self, on_launch: Callable[[], None] | None = None) -> list[Any]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> Any: ...
 
@@ -75,6 +76,7 @@ class AsyncEngine:
         self._adds_processed = 0
         self._stats = engine.stats()
         self._failures = 0
+        self._held: list[Any] = []  # the last step's outputs, posted when the next step launches
 
     # ---- event-loop side -------------------------------------------------------------
 
@@ -203,8 +205,11 @@ class AsyncEngine:
                 self._apply(commands)
                 if self.engine.has_unfinished_requests():
                     self._step()
+                if not self._engine_busy():
+                    self._release_held()
             except Exception:  # the engine failed: fail what is in flight, keep the loop alive
                 self._on_step_failure()
+        self._release_held()
         self._abort_all()
 
     def _wait_for_work(self) -> list[_Add | _Abort] | None:
@@ -254,16 +259,26 @@ class AsyncEngine:
             self._live.add(command.request_id)
 
     def _step(self) -> None:
-        outputs = self.engine.step()
+        outputs = self.engine.step(on_launch=self._release_held)
+        self._release_held()  # a step that ran no model
         self._failures = 0
         for output in outputs:
             if output.finished:
                 self._live.discard(output.request_id)
         self._publish_stats()
-        if outputs:
+        self._held = outputs
+
+    def _release_held(self) -> None:
+        """Post the last step's outputs to the event loop. Called as the next step hands its
+        batch to the model (the native step runs without the GIL, so the loop's per-token work
+        overlaps it instead of contending with this thread's Python between steps), or at once
+        when no step follows."""
+        if self._held:
+            outputs, self._held = self._held, []
             self._post(self._dispatch, outputs)
 
     def _on_step_failure(self) -> None:
+        self._release_held()
         error_id = uuid.uuid4().hex[:12]
         failed = sorted(self._live)
         log.exception("engine step failed [error id %s]; failing %d requests", error_id, len(failed))

@@ -6,6 +6,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -258,8 +259,10 @@ class LLMEngine:
             self._forget(child_id)
 
     # ---- one step ----
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_launch: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Schedule, run the model once, sample; returns deltas of the requests that progressed.
+        `on_launch` is called as the model run starts, its inputs built (again for each retry
+        below: it must be idempotent).
 
         A request whose admission, model run or output processing raises fails alone (finish
         reason "error", `RequestOutput.error` set, with its n siblings aborted); the others go on
@@ -275,7 +278,7 @@ class LLMEngine:
             return list(deltas.values())
         self.num_preemptions += len(out.preempted)
         self._observe_scheduled(out, started)
-        sampled = self._execute(out, deltas)
+        sampled = self._execute(out, deltas, on_launch)
         now = time.monotonic()
         for chunk in out.chunks:
             run = sampled.get(chunk.request.request_id)
@@ -296,7 +299,8 @@ class LLMEngine:
                 self.observer.scheduled(chunk.request, now)
                 chunk.request.times.scheduled = now
 
-    def _execute(self, out: SchedulerOutput, deltas: dict[str, RequestOutput]) -> dict[str, list[SampledToken]]:
+    def _execute(self, out: SchedulerOutput, deltas: dict[str, RequestOutput],
+                 on_launch: Callable[[], None] | None) -> dict[str, list[SampledToken]]:
         """Run the step's batch. If it raises, retry without the newest admissions, then in halves,
         until each failure is pinned to one request; only those fail. A failed run leaves no
         request's state advanced (the runner restores grammar matchers, seeded noise has no state;
@@ -304,14 +308,14 @@ class LLMEngine:
         sampled: dict[str, list[SampledToken]] = {}
         old = len(out.chunks) - out.num_admitted
         split = old if 0 < old < len(out.chunks) else len(out.chunks) // 2
-        for chunk, error in self._run_isolating(out.chunks, split, sampled):
+        for chunk, error in self._run_isolating(out.chunks, split, sampled, on_launch):
             self._fail(chunk.request, error, deltas)
         return sampled
 
-    def _run_isolating(self, chunks: list[ScheduledChunk], split: int,
-                       sampled: dict[str, list[SampledToken]]) -> list[tuple[ScheduledChunk, Exception]]:
+    def _run_isolating(self, chunks: list[ScheduledChunk], split: int, sampled: dict[str, list[SampledToken]],
+                       on_launch: Callable[[], None] | None) -> list[tuple[ScheduledChunk, Exception]]:
         try:
-            tokens = self.runner.execute(SchedulerOutput(chunks=chunks))
+            tokens = self.runner.execute(SchedulerOutput(chunks=chunks), on_launch)
         except Exception as error:
             if len(chunks) == 1:
                 return [(chunks[0], error)]
@@ -321,8 +325,8 @@ class LLMEngine:
             for s in tokens:
                 sampled.setdefault(s.request_id, []).append(s)
             return []
-        return (self._run_isolating(chunks[:split], len(chunks[:split]) // 2, sampled)
-                + self._run_isolating(chunks[split:], len(chunks[split:]) // 2, sampled))
+        return (self._run_isolating(chunks[:split], len(chunks[:split]) // 2, sampled, on_launch)
+                + self._run_isolating(chunks[split:], len(chunks[split:]) // 2, sampled, on_launch))
 
     def _fail(self, request: Request, error: BaseException, deltas: dict[str, RequestOutput],
               dropped: dict[str, Request] | None = None) -> None:

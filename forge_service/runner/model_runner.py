@@ -88,9 +88,10 @@ class ModelRunner:
             self.grammars.release(request_id)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[SampledToken]:
+    def execute(self, out: SchedulerOutput, on_launch: Callable[[], None] | None = None) -> list[SampledToken]:
         """Run one step; returns a token for each chunk that samples, in chunk order. A chunk with a
-        draft gets its accepted draft tokens first, then the one the model chose after them."""
+        draft gets its accepted draft tokens first, then the one the model chose after them.
+        `on_launch` is called once the inputs are built, just before the model runs."""
         if self.grammars is not None:
             self._cut_drafts(out.chunks)
         for c in out.chunks:
@@ -117,6 +118,8 @@ class ModelRunner:
         sampling = [c for c in ordered if c.samples]
         scored = _prompt_rows(ordered)  # after the sampled rows: logits for prompt logprobs
         rows = torch.tensor(logit_rows + [row for _, _, row in scored] or [0], device=self.device)
+        if on_launch is not None:
+            on_launch()
         logits = self.backend.run(self.forward, input_ids, positions, meta, rows)
         if scored:
             self._score_prompt(logits[len(logit_rows):], scored)

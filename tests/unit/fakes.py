@@ -138,10 +138,12 @@ class FakeEngine:
         return EngineStats(num_running=running, num_waiting=len(self.requests) - running,
                            kv_blocks_used=running * 2, kv_usage=running * 2 / 100)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_launch: Callable[[], None] | None = None) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
         self.steps += 1
         self.stepped.set()
+        if on_launch is not None:
+            on_launch()  # the model run starts: the gate and the delay below stand for it
         if self.gate is not None:
             self.gate.wait(10)
         if self.step_delay_s:

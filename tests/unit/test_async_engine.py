@@ -231,13 +231,49 @@ class HeldAfterFirstStep(FakeEngine):
         self.release = threading.Event()
         self.fail_at = fail_at
 
-    def step(self) -> list[Any]:
+    def step(self, on_launch: Callable[[], None] | None = None) -> list[Any]:
+        if on_launch is not None:
+            on_launch()  # launched: the last step's outputs are out while this one is held
         if self.steps >= 1:
             self.release.wait(10)
         if self.steps == self.fail_at:
             self.steps += 1
             raise RuntimeError("fake step failure")
         return super().step()
+
+
+class HeldBeforeLaunch(FakeEngine):
+    """Each step after the first waits for `launch` before its model run starts (a long schedule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scheduling = threading.Event()
+        self.launch = threading.Event()
+
+    def step(self, on_launch: Callable[[], None] | None = None) -> list[Any]:
+        if self.steps >= 1:
+            self.scheduling.set()
+            self.launch.wait(10)
+        return super().step(on_launch)
+
+
+def test_a_step_s_outputs_go_out_as_the_next_step_launches_or_at_once_when_none_follows() -> None:
+    # The loop's per-token work then overlaps the next model run instead of contending for the
+    # GIL with the engine thread's Python between steps.
+    fake = HeldBeforeLaunch()
+
+    async def body(e: AsyncEngine) -> None:
+        stream = e.generate("r1", list(b"ab"), SamplingParams(max_tokens=2))
+        first = asyncio.ensure_future(stream.__anext__())
+        await until(fake.scheduling.is_set)
+        await asyncio.sleep(0.2)
+        assert not first.done()  # held until the next step hands its batch to the model
+        fake.launch.set()
+        texts = [(await first).outputs[0].text]  # "a", or "ab" where the last step's came too
+        texts += [output.outputs[0].text async for output in stream]  # no step follows the last: out at once
+        assert "".join(texts) == "ab"
+
+    run(body, fake)
 
 
 def test_deltas_that_queue_up_while_the_consumer_is_away_come_as_one() -> None:

@@ -66,10 +66,10 @@ def add_poison(engine, constraint=None):
 def raise_in_model(engine):
     real = engine.runner.execute
 
-    def execute(out):
+    def execute(out, on_launch=None):
         if any(c.request.label == "the-poison" for c in out.chunks):
             raise RuntimeError("poisoned batch")
-        return real(out)
+        return real(out, on_launch)
     engine.runner.execute = execute
     add_poison(engine)
 
@@ -155,10 +155,10 @@ def test_grpc_a_poisoned_request_is_internal_alone(tiny_dir):
     engine = llm.engine
     real = engine.runner.execute
 
-    def execute(out):
+    def execute(out, on_launch=None):
         if any(c.request.label == "poison" for c in out.chunks):
             raise RuntimeError("poisoned batch")
-        return real(out)
+        return real(out, on_launch)
     engine.runner.execute = execute
     victim = pb.GenerateRequest(request_id="victim", token_ids=pb.TokenIds(ids=prompt),
                                 sampling=pb.SamplingParameters(temperature=1.0, seed=1),

@@ -84,6 +84,21 @@ def test_batch_equals_solo_with_preemption(tiny_dir):
     assert small.engine.kv.num_used_blocks == 0
 
 
+def test_a_step_calls_on_launch_once_its_inputs_are_built_before_the_model_runs(llm, monkeypatch):
+    engine, calls = llm.engine, []
+    forward = engine.runner.forward
+
+    def counted(*args):
+        calls.append("forward")
+        return forward(*args)
+
+    monkeypatch.setattr(engine.runner, "forward", counted)
+    engine.add_request("launch", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step(on_launch=lambda: calls.append("launch"))
+    assert calls == ["launch", "forward"] * 2  # the prompt with its first token, then a decode
+
+
 def test_n_completions_and_seeds(llm):
     p = SamplingParams(temperature=1.0, n=3, seed=11, max_tokens=8, ignore_eos=True)
     a = llm.generate(["hello"], p)[0]

@@ -86,9 +86,9 @@ def test_drafts_stay_within_the_per_request_and_per_step_caps(tiny_dir, monkeypa
     drafts: list[list[int]] = []
     execute = on.engine.runner.execute
 
-    def spy(out):
+    def spy(out, on_launch=None):
         drafts.append([(len(c.draft), c.request.sampling_params.num_speculative_tokens) for c in out.chunks])
-        return execute(out)
+        return execute(out, on_launch)
 
     monkeypatch.setattr(on.engine.runner, "execute", spy)
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
