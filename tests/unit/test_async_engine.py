@@ -15,9 +15,10 @@ from tests.unit.fakes import FakeEngine, until
 
 
 def run(body: Callable[[AsyncEngine], Awaitable[Any]], engine: FakeEngine | None = None,
-        max_waiting: int = 0) -> Any:
+        max_waiting: int = 0, hold_outputs_from: int = 1) -> Any:
     async def main() -> Any:
-        async_engine = AsyncEngine(engine or FakeEngine(), max_waiting=max_waiting)
+        async_engine = AsyncEngine(engine or FakeEngine(), max_waiting=max_waiting,
+                                   hold_outputs_from=hold_outputs_from)
         async_engine.start()
         try:
             return await asyncio.wait_for(body(async_engine), timeout=10)
@@ -257,7 +258,7 @@ class HeldBeforeLaunch(FakeEngine):
         return super().step(on_launch)
 
 
-def test_a_step_s_outputs_go_out_as_the_next_step_launches_or_at_once_when_none_follows() -> None:
+def test_a_large_step_s_outputs_go_out_as_the_next_step_launches_or_at_once_when_none_follows() -> None:
     # The loop's per-token work then overlaps the next model run instead of contending for the
     # GIL with the engine thread's Python between steps.
     fake = HeldBeforeLaunch()
@@ -273,7 +274,19 @@ def test_a_step_s_outputs_go_out_as_the_next_step_launches_or_at_once_when_none_
         texts += [output.outputs[0].text async for output in stream]  # no step follows the last: out at once
         assert "".join(texts) == "ab"
 
-    run(body, fake)
+    run(body, fake, hold_outputs_from=1)
+
+
+def test_a_small_step_s_outputs_go_out_at_once() -> None:
+    fake = HeldBeforeLaunch()
+
+    async def body(e: AsyncEngine) -> None:
+        stream = e.generate("r1", list(b"ab"), SamplingParams(max_tokens=2))
+        assert (await stream.__anext__()).outputs[0].text == "a"  # before the next step may launch
+        fake.launch.set()
+        assert [output.outputs[0].text async for output in stream] == ["b"]
+
+    run(body, fake, hold_outputs_from=2)
 
 
 def test_deltas_that_queue_up_while_the_consumer_is_away_come_as_one() -> None:
