@@ -1,7 +1,9 @@
 """Engine step time without servers: median decode step (ms) at several batch sizes.
 
 Each batch size gets its own requests (distinct 20-token prompts, ignore_eos); steps that carry
-a prefill chunk are left out, so the figure is the decode step alone.
+a prefill chunk are left out, so the figure is the decode step alone. Also reported: the time from
+a step's start to its model run's launch (scheduling and building the inputs), which is how much
+later than its step a server posts a token (AsyncEngine).
 
     python bench/decode_step.py --batch 1,16 --dtype bfloat16
 """
@@ -20,20 +22,25 @@ from forge_service.engine.request import SamplingParams  # noqa: E402
 from forge_service.llm import LLM  # noqa: E402
 
 
-def decode_steps_ms(llm: LLM, batch: int, steps: int, tag: str) -> list[float]:
+def decode_steps_ms(llm: LLM, batch: int, steps: int, tag: str) -> tuple[list[float], list[float]]:
+    """Each decode step's time, and its time to the model run's launch (ms)."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", [1000 + 37 * i + j for j in range(20)], params)
-    times = []
+    times: list[float] = []
+    to_launch: list[float] = []
+    launched: list[float] = []
     while engine.has_unfinished_requests():
         prefilling = any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
             or engine.scheduler.num_waiting > 0
+        launched.clear()
         start = time.perf_counter()
-        engine.step()
+        engine.step(on_launch=lambda: launched.append(time.perf_counter()))
         if not prefilling:
             times.append((time.perf_counter() - start) * 1000)
-    return times
+            to_launch.append((launched[0] - start) * 1000)
+    return times, to_launch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,9 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     decode_steps_ms(llm, 1, 4, "warmup")
     rows = []
     for batch in args.batch:
-        ms = statistics.median(decode_steps_ms(llm, batch, args.steps, f"b{batch}"))
-        rows.append({"batch": batch, "step_ms_p50": round(ms, 2), "tok_s": round(batch * 1000 / ms, 1)})
-        print(f"batch {batch:>3}: decode step p50 {ms:7.2f} ms  {batch * 1000 / ms:7.1f} tok/s")
+        times, to_launch = decode_steps_ms(llm, batch, args.steps, f"b{batch}")
+        ms, launch_ms = statistics.median(times), statistics.median(to_launch)
+        rows.append({"batch": batch, "step_ms_p50": round(ms, 2), "tok_s": round(batch * 1000 / ms, 1),
+                     "to_launch_ms_p50": round(launch_ms, 3)})
+        print(f"batch {batch:>3}: decode step p50 {ms:7.2f} ms  {batch * 1000 / ms:7.1f} tok/s  "
+              f"to launch {launch_ms:6.3f} ms")
     print(json.dumps({"benchmark": "decode_step", "dtype": str(llm.engine.dtype), "machine": machine(),
                       "results": rows}))
     return 0
