@@ -109,11 +109,11 @@ def test_grpc_client_ids_are_labels_and_the_x0_attack_harms_nobody(tiny_dir):
     steps, most_in_flight = [0], [0]
     real_step = engine.step
 
-    def counting_step():  # slowed down so that the attacker arrives while the victim runs
+    def counting_step(on_launch=None):  # slowed down so that the attacker arrives while the victim runs
         steps[0] += 1
         most_in_flight[0] = max(most_in_flight[0], len(engine.parents))
         time.sleep(0.02)
-        return real_step()
+        return real_step(on_launch)
 
     engine.step = counting_step
     victim_request = pb.GenerateRequest(
