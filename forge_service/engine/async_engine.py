@@ -214,8 +214,6 @@ class AsyncEngine:
                 self._apply(commands)
                 if self.engine.has_unfinished_requests():
                     self._step()
-                if not self._engine_busy():
-                    self._release_held()
             except Exception:  # the engine failed: fail what is in flight, keep the loop alive
                 self._on_step_failure()
         self._release_held()
@@ -228,6 +226,7 @@ class AsyncEngine:
                 backoff = _FAILURE_BACKOFF_S[min(self._failures, len(_FAILURE_BACKOFF_S)) - 1]
                 self._wakeup.wait_for(lambda: self._commands or self._stopping, timeout=backoff)
             while not (self._commands or self._stopping or self._engine_busy()):
+                self._release_held()  # no step follows
                 self._wakeup.wait()
             if self._stopping:
                 return None
