@@ -72,6 +72,11 @@ def library() -> ctypes.CDLL | None:
     if not lib.forge_supported():
         log.info("this CPU lacks AVX-512 VNNI; using torch's kernels")
         return None
+    return declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` (a build of the kernels) with its functions' argument and result types set."""
     i64, ptr, flag, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.forge_q4_linear.argtypes = [ptr, flag, i64, i64, i64, ptr, ptr, ptr, ptr, flag, flag, f32, flag]
     lib.forge_q8_linear.argtypes = [ptr, flag, i64, i64, i64, ptr, ptr, ptr, flag, flag, f32, flag]
@@ -96,18 +101,34 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def _build() -> Path:
+def cpu_has_bf16_dot() -> bool:
+    """Whether this CPU has AVX512-BF16 (VDPBF16PS), which attention's scores use where present."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in cpuinfo.splitlines())
+
+
+def build_flags(bf16_dot: bool | None = None) -> list[str]:
+    """The compiler flags: FLAGS, and -mavx512bf16 where the CPU has it (`bf16_dot`: this CPU's)."""
+    return FLAGS + (["-mavx512bf16"] if (cpu_has_bf16_dot() if bf16_dot is None else bf16_dot) else [])
+
+
+def _build(flags: list[str] | None = None) -> Path:
+    """The library built with `flags` (build_flags()), from the cache when it is there."""
+    flags = build_flags() if flags is None else flags
     compiler = os.environ.get("CC", "cc")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [p.read_text() for p in SOURCES]
-    key = hashlib.sha256("\n".join([*texts, " ".join(FLAGS), version]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([*texts, " ".join(flags), version]).encode()).hexdigest()[:16]
     target = CACHE_DIR / f"forge_cpu-{key}.so"
     if target.exists():
         return target
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:  # then renamed: concurrent builds are safe
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], capture_output=True, text=True,
+        subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built)], capture_output=True, text=True,
                        check=True)
         os.replace(built, target)
     return target

@@ -227,6 +227,36 @@ static inline void split_bf16(const uint16_t *p, __m512 *even, __m512 *odd) {
     *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 
+/* A score's dot product runs over 32 bf16 of a query and a key at a time, lane j taking the pair
+ * 2j, 2j + 1: it adds q[2j] k[2j], then q[2j + 1] k[2j + 1]. Products of two bf16 are exact in
+ * fp32, so the two additions are the only roundings, and both ways below give the same bits.
+ * Where the CPU has AVX512-BF16 (the build passes -mavx512bf16 there), one VDPBF16PS: 32 products
+ * an instruction, at the rate of a 16-product FMA. It adds a pair's high half's product first, so
+ * the pairs are loaded with their halves swapped (element 2j high). Elsewhere, two fused
+ * multiply-adds of the split halves. (VDPBF16PS flushes denormal inputs and results to zero; an
+ * attention score never comes near 1e-38.) */
+#ifdef __AVX512BF16__
+typedef __m512bh bf16_pairs;  /* 32 bf16, each pair's halves swapped */
+
+static inline bf16_pairs load_pairs(const uint16_t *p) { return (__m512bh)_mm512_rol_epi32(_mm512_loadu_si512(p), 16); }
+
+static inline __m512 dot_pairs(__m512 dot, bf16_pairs q, bf16_pairs k) { return _mm512_dpbf16_ps(dot, q, k); }
+#else
+typedef struct {
+    __m512 even, odd;
+} bf16_pairs;
+
+static inline bf16_pairs load_pairs(const uint16_t *p) {
+    bf16_pairs v;
+    split_bf16(p, &v.even, &v.odd);
+    return v;
+}
+
+static inline __m512 dot_pairs(__m512 dot, bf16_pairs q, bf16_pairs k) {
+    return _mm512_fmadd_ps(q.odd, k.odd, _mm512_fmadd_ps(q.even, k.even, dot));
+}
+#endif
+
 /* Lane i of the result = the sum of v[i]'s lanes (v is clobbered): 16 horizontal sums in 46 ops,
  * where 16 separate reductions take about 128 and a long dependency chain each. */
 static inline __m512 sum16(__m512 *v) {
@@ -316,9 +346,9 @@ static inline __attribute__((always_inline)) void attend(const uint16_t *q, cons
                                                           float scale, float *s, uint16_t *out,
                                                           const int64_t *ahead, int64_t ahead_from, int64_t ahead_to) {
     const int64_t pairs = hd / 32, stride = n + 16, chunks = (n + 15) / 16;
-    __m512 qv[MAX_GROUP][2 * MAX_PAIRS];
+    bf16_pairs qv[MAX_GROUP][MAX_PAIRS];
     for (int g = 0; g < G; g++)
-        for (int64_t c = 0; c < pairs; c++) split_bf16(q + g * hd + 32 * c, &qv[g][2 * c], &qv[g][2 * c + 1]);
+        for (int64_t c = 0; c < pairs; c++) qv[g][c] = load_pairs(q + g * hd + 32 * c);
     __m512 top[MAX_GROUP];
     for (int g = 0; g < G; g++) top[g] = _mm512_set1_ps(-INFINITY);
     for (int64_t l0 = 0; l0 < n; l0 += 16) {  /* scores, 16 keys at a time */
@@ -349,12 +379,11 @@ static inline __attribute__((always_inline)) void attend(const uint16_t *q, cons
 #pragma GCC unroll 16
         for (int i = 0; i < 16; i++) {  /* past the last key, the last key again (masked off below) */
             const uint16_t *k = k_cache + slots[l0 + (i < count ? i : count - 1)] * row + off;
-            __m512 kv[2 * MAX_PAIRS];
-            for (int64_t c = 0; c < pairs; c++) split_bf16(k + 32 * c, &kv[2 * c], &kv[2 * c + 1]);
+            bf16_pairs kv[MAX_PAIRS];
+            for (int64_t c = 0; c < pairs; c++) kv[c] = load_pairs(k + 32 * c);
             for (int g = 0; g < G; g++) {
                 __m512 dot = _mm512_setzero_ps();
-                for (int64_t c = 0; c < pairs; c++)
-                    dot = _mm512_fmadd_ps(qv[g][2 * c + 1], kv[2 * c + 1], _mm512_fmadd_ps(qv[g][2 * c], kv[2 * c], dot));
+                for (int64_t c = 0; c < pairs; c++) dot = dot_pairs(dot, qv[g][c], kv[c]);
                 dots[g][i] = dot;
             }
         }
@@ -477,58 +506,84 @@ int forge_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
 
 /* Prefill attention computes, for every query and key, the very operations `attend` does, so a
  * token gets the same bits in a prefill chunk as in a decode step. It lays them out for many
- * queries at once: a tile of 16 keys is widened and transposed once (kt[d][i] = key i, element
- * d), and a query's score for the 16 keys is one vector, lane i for key i. attend's dot product
- * for a key is 16 lane partials, partial j = q[32c + 2j] k[32c + 2j] + q[32c + 2j + 1] k[...]
- * over c in order (fused multiply-adds from zero), then sum16's tree over the partials; here
- * partial j is a vector over the 16 keys, built by the same fused multiply-adds with q's values
- * broadcast, and the tree is vertical adds: ((p_j + p_j+8) + (p_j+4 + p_j+12)) pairwise down. */
+ * queries at once: a tile of 16 keys is transposed once (kt: key i in lane i), and a query's score
+ * for the 16 keys is one vector, lane i for key i. attend's dot product for a key is 16 lane
+ * partials, partial j = q[32c + 2j] k[32c + 2j] + q[32c + 2j + 1] k[32c + 2j + 1] over c in order
+ * (dot_pairs from zero), then sum16's tree over the partials; here partial j is a vector over the
+ * 16 keys, built by the same additions with q's pair broadcast, and the tree is vertical adds:
+ * ((p_j + p_j+8) + (p_j+4 + p_j+12)) pairwise down. */
 #define PREFILL_HEADS 48  /* query heads (rows x heads of one KV head) per prefill job */
 #define SCORE_GROUP 4     /* query heads whose scores are computed together, sharing each key load */
 
-/* 16 keys at `slots` (count of them; past count, zeros) of one KV head -> kt[hd][16] fp32. */
-static inline __attribute__((always_inline)) void transpose_keys(const uint16_t *k_cache, const int64_t *slots,
-                                                                 int64_t count, int64_t row, int64_t off,
-                                                                 const int64_t hd, float *kt) {
-    for (int64_t d0 = 0; d0 < hd; d0 += 16) {
-        __m512 r[16], t[16];
-        for (int i = 0; i < 16; i++)
-            r[i] = i < count ? bf16x16(k_cache + slots[i] * row + off + d0) : _mm512_setzero_ps();
-        for (int i = 0; i < 8; i++) {
-            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-        }
-        for (int i = 0; i < 4; i++) {  /* r[4i + j], quad q: rows 4i .. 4i + 3 of column 4q + j */
-            const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
-            const __m512d c = _mm512_castps_pd(t[4 * i + 2]), e = _mm512_castps_pd(t[4 * i + 3]);
-            r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-            r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-            r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
-            r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
-        }
-        for (int j = 0; j < 4; j++) {
-            const __m512 v1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
-            const __m512 v2 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
-            const __m512 w1 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
-            const __m512 w2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
-            _mm512_storeu_ps(kt + (d0 + j) * 16, _mm512_shuffle_f32x4(v1, w1, 0x88));
-            _mm512_storeu_ps(kt + (d0 + 4 + j) * 16, _mm512_shuffle_f32x4(v2, w2, 0x88));
-            _mm512_storeu_ps(kt + (d0 + 8 + j) * 16, _mm512_shuffle_f32x4(v1, w1, 0xDD));
-            _mm512_storeu_ps(kt + (d0 + 12 + j) * 16, _mm512_shuffle_f32x4(v2, w2, 0xDD));
-        }
+/* r: 16 rows of 16 32-bit values -> dst[j * 16 + i] = r[i][j]. */
+static inline __attribute__((always_inline)) void transpose16(__m512 *r, float *dst) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {  /* r[4i + j], quad q: rows 4i .. 4i + 3 of column 4q + j */
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), e = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512 v1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+        const __m512 v2 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
+        const __m512 w1 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+        const __m512 w2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
+        _mm512_storeu_ps(dst + j * 16, _mm512_shuffle_f32x4(v1, w1, 0x88));
+        _mm512_storeu_ps(dst + (4 + j) * 16, _mm512_shuffle_f32x4(v2, w2, 0x88));
+        _mm512_storeu_ps(dst + (8 + j) * 16, _mm512_shuffle_f32x4(v1, w1, 0xDD));
+        _mm512_storeu_ps(dst + (12 + j) * 16, _mm512_shuffle_f32x4(v2, w2, 0xDD));
     }
 }
 
-/* Partial j of each of NG query heads' dots (qf: NG rows of hd fp32) with the 16 keys of kt. */
+/* 16 keys at `slots` (count of them; past count, zeros) of one KV head, transposed. With
+ * VDPBF16PS kt[hd / 2][16] pairs (row e, lane i: key i's elements 2e and 2e + 1 as load_pairs gives
+ * them: half the bytes of widening them); else kt[hd][16] fp32 (row d, lane i: key i's element d). */
+static inline __attribute__((always_inline)) void transpose_keys(const uint16_t *k_cache, const int64_t *slots,
+                                                                 int64_t count, int64_t row, int64_t off,
+                                                                 const int64_t hd, float *kt) {
+    __m512 r[16];
+#ifdef __AVX512BF16__
+    for (int64_t e0 = 0; e0 < hd / 2; e0 += 16) {
+        for (int i = 0; i < 16; i++)
+            r[i] = i < count ? _mm512_castsi512_ps((__m512i)load_pairs(k_cache + slots[i] * row + off + 2 * e0))
+                             : _mm512_setzero_ps();
+        transpose16(r, kt + e0 * 16);
+    }
+#else
+    for (int64_t d0 = 0; d0 < hd; d0 += 16) {
+        for (int i = 0; i < 16; i++)
+            r[i] = i < count ? bf16x16(k_cache + slots[i] * row + off + d0) : _mm512_setzero_ps();
+        transpose16(r, kt + d0 * 16);
+    }
+#endif
+}
+
+/* Partial j of each of NG query heads' dots with the 16 keys of kt. The queries are NG rows of hd
+ * floats at qf: with VDPBF16PS each row's first half holds the head's hd bf16 as load_pairs gives
+ * them, else the row is the head widened to fp32 (see prefill_job). */
 static inline __attribute__((always_inline)) void partial(const float *kt, const float *qf, const int64_t hd,
                                                           const int NG, int j, __m512 *p) {
     for (int g = 0; g < NG; g++) p[g] = _mm512_setzero_ps();
     for (int64_t c = 0; c < hd / 32; c++) {
         const int64_t d = 32 * c + 2 * j;
+#ifdef __AVX512BF16__
+        const __m512bh keys = (__m512bh)_mm512_loadu_si512(kt + d / 2 * 16);
+        const int32_t *pairs = (const int32_t *)qf;  /* head g's elements d, d + 1: pair d / 2 of its row */
+        for (int g = 0; g < NG; g++)
+            p[g] = _mm512_dpbf16_ps(p[g], (__m512bh)_mm512_set1_epi32(pairs[g * hd + d / 2]), keys);
+#else
         const __m512 even = _mm512_loadu_ps(kt + d * 16), odd = _mm512_loadu_ps(kt + (d + 1) * 16);
         for (int g = 0; g < NG; g++)
             p[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * hd + d + 1]), odd,
                                    _mm512_fmadd_ps(_mm512_set1_ps(qf[g * hd + d]), even, p[g]));
+#endif
     }
 }
 
@@ -583,7 +638,12 @@ static inline __attribute__((always_inline)) void prefill_job(const uint16_t *q,
 #define SEES(t) (base + i0 + (t) / G + 1)                 /* the keys it sees */
     for (int64_t t = 0; t < nq; t++) {
         const uint16_t *src = q + (i0 + t / G) * q_stride + (kvh * G + t % G) * hd;
+#ifdef __AVX512BF16__
+        for (int64_t d = 0; d < hd; d += 32)  /* as load_pairs gives them, in the first half of the row */
+            _mm512_storeu_si512((uint16_t *)(qf + t * hd) + d, (__m512i)load_pairs(src + d));
+#else
         for (int64_t d = 0; d < hd; d += 16) _mm512_storeu_ps(qf + t * hd + d, bf16x16(src + d));
+#endif
         top[t] = _mm512_set1_ps(-INFINITY);
     }
     for (int64_t l0 = 0; l0 < longest; l0 += 16) {

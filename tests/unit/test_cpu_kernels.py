@@ -2,6 +2,8 @@
 arithmetic, and against the exact product."""
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -347,6 +349,34 @@ def test_a_query_gets_the_same_bits_in_a_prefill_chunk_as_in_a_decode_step(conte
     tail = torch.empty(5, heads, hd, dtype=torch.bfloat16)
     cpu_kernels.prefill_attention(q[-5:], k_cache, v_cache, slots, hd ** -0.5, tail)
     assert torch.equal(tail, prefill[-5:])
+
+
+@pytest.mark.skipif(not cpu_kernels.cpu_has_bf16_dot(), reason="this CPU has no AVX512-BF16")
+@pytest.mark.parametrize("heads,kv_heads,hd", [(32, 4, 64), (16, 2, 128)])
+def test_scores_by_vdpbf16ps_give_the_bits_of_the_fused_multiply_adds(monkeypatch: pytest.MonkeyPatch, heads: int,
+                                                                      kv_heads: int, hd: int) -> None:
+    """Where the CPU has AVX512-BF16, attention's scores take VDPBF16PS (its pairs' halves swapped, so
+    that it adds each pair's products in the order the fused multiply-adds do elsewhere): a token's
+    outputs must not depend on which the build used. A score's last bit seldom reaches a bf16 output
+    (adding a pair's products in the other order changes about one output in 10^5), hence a
+    million outputs of each kernel."""
+    context = 600
+    k_cache, v_cache, table, slots = _paged_context(context, kv_heads, hd, seed=hd)
+    q = (torch.randn(context, heads, hd, generator=torch.Generator().manual_seed(heads)) * 4).bfloat16()
+    lens = torch.randint(1, context + 1, (context,), generator=torch.Generator().manual_seed(hd))
+
+    def outputs() -> tuple[torch.Tensor, torch.Tensor]:
+        prefill = torch.empty(context, heads, hd, dtype=torch.bfloat16)
+        cpu_kernels.prefill_attention(q, k_cache, v_cache, slots, hd ** -0.5, prefill)
+        return prefill, cpu_kernels.decode_attention(q, k_cache, v_cache, table.repeat(context, 1), lens, 16,
+                                                     hd ** -0.5)
+
+    assert "-mavx512bf16" in cpu_kernels.build_flags()
+    with_dot = outputs()
+    fmas = cpu_kernels.declare(ctypes.CDLL(str(cpu_kernels._build(cpu_kernels.build_flags(bf16_dot=False)))))
+    monkeypatch.setattr(cpu_kernels, "library", lambda: fmas)
+    without = outputs()
+    assert torch.equal(with_dot[0], without[0]) and torch.equal(with_dot[1], without[1])
 
 
 def test_int8_quantisation_in_runs_of_rows_equals_it_in_one(monkeypatch: pytest.MonkeyPatch) -> None:
