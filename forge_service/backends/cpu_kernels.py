@@ -62,7 +62,7 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("FORGE_CPU_KERNELS", "native") == "torch":
         return None
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = ctypes.CDLL(str(build_for_this_cpu()))
     except subprocess.CalledProcessError as error:
         log.warning("native CPU kernels did not build, using torch's: %s\n%s", error, error.stderr)
         return None
@@ -113,6 +113,19 @@ def cpu_has_bf16_dot() -> bool:
 def build_flags(bf16_dot: bool | None = None) -> list[str]:
     """The compiler flags: FLAGS, and -mavx512bf16 where the CPU has it (`bf16_dot`: this CPU's)."""
     return FLAGS + (["-mavx512bf16"] if (cpu_has_bf16_dot() if bf16_dot is None else bf16_dot) else [])
+
+
+def build_for_this_cpu() -> Path:
+    """The library for this CPU: with build_flags(), or where the compiler refuses -mavx512bf16 (GCC
+    before 10), without it (attention's scores by fused multiply-adds, to the same bits)."""
+    flags = build_flags()
+    try:
+        return _build(flags)
+    except subprocess.CalledProcessError as error:
+        if flags == FLAGS:
+            raise
+        log.warning("the compiler refused -mavx512bf16, building without it: %s", error.stderr)
+        return _build(FLAGS)
 
 
 def _build(flags: list[str] | None = None) -> Path:

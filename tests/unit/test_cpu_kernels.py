@@ -3,6 +3,9 @@ arithmetic, and against the exact product."""
 from __future__ import annotations
 
 import ctypes
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -377,6 +380,25 @@ def test_scores_by_vdpbf16ps_give_the_bits_of_the_fused_multiply_adds(monkeypatc
     monkeypatch.setattr(cpu_kernels, "library", lambda: fmas)
     without = outputs()
     assert torch.equal(with_dot[0], without[0]) and torch.equal(with_dot[1], without[1])
+
+
+def test_a_compiler_that_refuses_avx512bf16_builds_the_kernels_without_it(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    real = shutil.which(os.environ.get("CC", "cc"))
+    old_compiler = tmp_path / "cc"  # as GCC before 10 answers the flag
+    old_compiler.write_text(f"""#!/bin/sh
+for arg in "$@"; do
+  [ "$arg" = -mavx512bf16 ] && {{ echo "cc: error: unrecognized command-line option '$arg'" >&2; exit 1; }}
+done
+exec {real} "$@"
+""")
+    old_compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(old_compiler))
+    monkeypatch.setattr(cpu_kernels, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(cpu_kernels, "cpu_has_bf16_dot", lambda: True)
+    built = cpu_kernels.build_for_this_cpu()
+    assert built == cpu_kernels._build(cpu_kernels.FLAGS) and built.exists()
+    assert cpu_kernels.declare(ctypes.CDLL(str(built))).forge_supported()
 
 
 def test_int8_quantisation_in_runs_of_rows_equals_it_in_one(monkeypatch: pytest.MonkeyPatch) -> None:
