@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import machine  # noqa: E402
+from bench.common import machine, write_report  # noqa: E402
 from forge_service.backends import cpu_kernels  # noqa: E402
 
 LAYERS = 30
@@ -68,6 +67,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/attention-<time>.json)")
     args = parser.parse_args()
     if cpu_kernels.library() is None:
         print("the native CPU kernels cannot run on this machine", file=sys.stderr)
@@ -92,8 +92,8 @@ def main() -> int:
             line += f"  fma / default {best['fma'] / best['default']:.2f}"
         print(f"{name:26s} {line}")
         results.append({"case": name, **{f"{build}_ms": round(ms, 3) for build, ms in best.items()}})
-    print(json.dumps({"benchmark": "attention", "layers": LAYERS, "threads": args.threads, "machine": machine(),
-                      "results": results}))
+    write_report(args.out, "attention", {"benchmark": "attention", "layers": LAYERS, "threads": args.threads,
+                                         "machine": machine(), "results": results})
     return 0
 
 
