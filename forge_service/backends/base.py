@@ -192,6 +192,12 @@ class Backend(Protocol):
         alone."""
         ...
 
+    def refine_leaders(self, logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, k: int) -> None:
+        """Each row's k largest logits [N, V] fp32, in place <- the fp32 dot of the row's final
+        hidden state h [N, D] fp32 with those rows of the lm_head weight [V, D]. Each row's result
+        depends on that row alone."""
+        ...
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2F] -> silu(gate) * up [T, F]."""
         ...

@@ -66,6 +66,13 @@ class CpuBackend:
             torch_ref.lora_add(y, x, rows, a, bt)
 
     @staticmethod
+    def refine_leaders(logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, k: int) -> None:
+        if cpu_kernels.refine_supported(logits, h, weight, k):  # one call: the scan, the dots, the writes
+            cpu_kernels.refine_top_(logits, h, weight, k)
+        else:
+            torch_ref.refine_leaders(logits, h, weight, k)
+
+    @staticmethod
     def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         if cpu_kernels.silu_mul_supported(gate_up):
             return cpu_kernels.silu_mul(gate_up)

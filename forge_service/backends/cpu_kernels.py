@@ -91,12 +91,13 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.forge_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, ptr,
                                         ptr, i64, flag]
     lib.forge_split_rows.argtypes = [i64, i64, ptr, i64, ptr, i64, ptr, ctypes.c_double, flag, ptr]
+    lib.forge_refine_top.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, flag]
     lib.forge_split_rows.restype = i64
     for name in ("forge_q4_linear", "forge_q8_linear", "forge_decode_attention", "forge_prefill_attention",
                  "forge_decode_layers"):
         getattr(lib, name).restype = ctypes.c_int
     for name in ("forge_add_rms_norm", "forge_silu_mul", "forge_rotary", "forge_add_bias", "forge_head_rms_norm",
-                 "forge_lora_add"):
+                 "forge_lora_add", "forge_refine_top"):
         getattr(lib, name).restype = None
     return lib
 
@@ -371,6 +372,25 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _status(library().forge_prefill_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.contiguous().data_ptr(), slots.data_ptr(),
         slots.shape[0], length, h, k_cache.shape[1], hd, scale, out.data_ptr(), torch.get_num_threads()))
+
+
+MAX_REFINE = 64  # ops.c's MAX_REFINE
+
+
+def refine_supported(logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
+    """Whether refine_top_ takes these: fp32 logits [N, V] and h [N, D], a bf16 weight [V, D], all
+    contiguous, 0 < k <= min(MAX_REFINE, V)."""
+    return (library() is not None and logits.dtype == torch.float32 and h.dtype == torch.float32 and _bf16(weight)
+            and logits.dim() == 2 and h.dim() == 2 and weight.dim() == 2 and logits.shape[0] == h.shape[0]
+            and tuple(weight.shape) == (logits.shape[1], h.shape[1]) and 0 < k <= min(MAX_REFINE, logits.shape[1])
+            and logits.is_contiguous() and h.is_contiguous() and weight.is_contiguous())
+
+
+def refine_top_(logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, k: int) -> None:
+    """Each row's k largest logits (among equal ones, the lower index) in place <- the fp32 dot of
+    the row of h with those rows of weight (refine_supported's shapes)."""
+    library().forge_refine_top(logits.data_ptr(), logits.shape[0], logits.shape[1], weight.data_ptr(), h.data_ptr(),
+                               h.shape[1], k, torch.get_num_threads())
 
 
 def _status(code: int) -> None:

@@ -11,7 +11,6 @@ from forge_service.layers.linear import Linear
 from forge_service.layers.rotary import RotaryEmbedding
 from forge_service.lora import LoraAdapter
 from forge_service.models.arch import ArchConfig
-from forge_service.sampling import ops
 
 
 REFINE_CANDIDATES = 8
@@ -139,11 +138,7 @@ class LlamaModel:
     def _refine_leaders(self, h: torch.Tensor, logits: torch.Tensor) -> None:
         # A bf16 GEMM rounds every logit to 8 mantissa bits, enough to flip near ties: recompute
         # the leading candidates of each row in fp32 (a full fp32 lm_head costs ~3x as much).
-        top = ops.topk(logits, REFINE_CANDIDATES)[1]  # [N, k]; 3x torch.topk on CPU at 16 rows
-        # A product and a sum per row, not einsum: a batched GEMM may pick its kernel by the batch
-        # size, and a row's logits must not depend on the rows beside it.
-        exact = (self.lm_head_weight[top].float() * h[:, None, :]).sum(-1)
-        logits.scatter_(1, top, exact)
+        self.backend.refine_leaders(logits, h, self.lm_head_weight, REFINE_CANDIDATES)
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         # x (fp32 residual stream) += delta in place, then RMSNorm -> [T, D] in weight's dtype

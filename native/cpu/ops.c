@@ -719,3 +719,50 @@ int forge_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t 
     free(work);
     return 0;
 }
+
+#define MAX_REFINE 64  /* most leading logits a row refines */
+
+/* Row r's k largest logits (among equal values, the lower index), recomputed as the fp32 dot of
+ * h[r] [D] with those rows of the bf16 weight [V, D]: 16 lanes of fused multiply-adds in order over
+ * D, then the lanes' sum. logits [N, V] fp32, updated in place; k <= MAX_REFINE and k <= V. A row's
+ * results depend on that row alone. The scan compares 16 logits at a time with the k-th best so far,
+ * which after the first few hundred lets nearly every vector through untouched. */
+void forge_refine_top(float *logits, int64_t N, int64_t V, const uint16_t *weight, const float *h, int64_t D,
+                      int64_t k, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (N > 1)
+    for (int64_t r = 0; r < N; r++) {
+        float *row = logits + r * V, best[MAX_REFINE];
+        int64_t at[MAX_REFINE], n = 0;
+        for (int64_t i0 = 0; i0 < V; i0 += 16) {
+            const __mmask16 in = V - i0 >= 16 ? 0xFFFF : (__mmask16)((1u << (V - i0)) - 1);
+            __mmask16 m = n < k ? in
+                                : _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, row + i0),
+                                                          _mm512_set1_ps(best[k - 1]), _CMP_GT_OQ);
+            while (m) {
+                const int j = __builtin_ctz(m);
+                m &= m - 1;
+                const float x = row[i0 + j];
+                if (n == k && !(x > best[k - 1])) continue;
+                int64_t p = n < k ? n++ : k - 1;  /* full: the last one goes */
+                for (; p > 0 && best[p - 1] < x; p--) {
+                    best[p] = best[p - 1];
+                    at[p] = at[p - 1];
+                }
+                best[p] = x;
+                at[p] = i0 + j;
+            }
+        }
+        const float *x = h + r * D;
+        for (int64_t t = 0; t < n; t++) {
+            const uint16_t *w = weight + at[t] * D;
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 16) {
+                const __mmask16 in = D - d >= 16 ? 0xFFFF : (__mmask16)((1u << (D - d)) - 1);
+                const __m512 wv = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, w + d)), 16));
+                acc = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(in, x + d), acc);
+            }
+            row[at[t]] = _mm512_reduce_add_ps(acc);
+        }
+    }
+}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge_service.backends import base, cpu_kernels
+from forge_service.backends import base, cpu_kernels, torch_ref
 from forge_service.backends.base import Int8Weight
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None,
@@ -399,6 +399,42 @@ exec {real} "$@"
     built = cpu_kernels.build_for_this_cpu()
     assert built == cpu_kernels._build(cpu_kernels.FLAGS) and built.exists()
     assert cpu_kernels.declare(ctypes.CDLL(str(built))).forge_supported()
+
+
+def _refined(logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:
+    out = logits.clone()
+    cpu_kernels.refine_top_(out, h, weight, k)
+    return out
+
+
+def test_refine_top_recomputes_each_row_s_largest_logits_in_fp32() -> None:
+    g = torch.Generator().manual_seed(7)
+    vocab, dim, k = 1000, 104, 8  # 104: a ragged tail of 8 past 16-lane vectors
+    weight = torch.randn(vocab, dim, generator=g).bfloat16()
+    h = torch.randn(5, dim, generator=g)
+    logits = torch.randn(5, vocab, generator=g)
+    got = _refined(logits, h, weight, k)
+    for r in range(5):
+        top = torch.topk(logits[r], k).indices
+        assert set((got[r] != logits[r]).nonzero().flatten().tolist()) == set(top.tolist())
+        exact = weight[top].double() @ h[r].double()
+        assert torch.allclose(got[r, top].double(), exact, rtol=1e-5, atol=1e-5)
+    reference = logits.clone()
+    torch_ref.refine_leaders(reference, h, weight, k)  # the other backends' way: the same logits, to rounding
+    assert torch.allclose(got, reference, rtol=1e-5, atol=1e-5)
+    # a row's result depends on that row alone
+    assert torch.equal(_refined(logits[3:4], h[3:4], weight, k)[0], got[3])
+
+
+def test_refine_top_takes_the_lower_index_among_equal_logits() -> None:
+    g = torch.Generator().manual_seed(8)
+    weight = torch.randn(1000, 64, generator=g).bfloat16()
+    h = torch.randn(1, 64, generator=g)
+    logits = torch.zeros(1, 1000)
+    logits[0, [900, 3, 17, 600, 42, 250, 128, 64, 7]] = 1.0
+    logits[0, 999] = 2.0  # last: it pushes out the highest index of the eight ones before it
+    got = _refined(logits, h, weight, 8)
+    assert sorted((got[0] != logits[0]).nonzero().flatten().tolist()) == [3, 7, 17, 42, 64, 128, 250, 999]
 
 
 def test_int8_quantisation_in_runs_of_rows_equals_it_in_one(monkeypatch: pytest.MonkeyPatch) -> None:

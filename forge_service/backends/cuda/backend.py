@@ -86,6 +86,9 @@ class CudaBackend:
                       eps: float) -> torch.Tensor:
         return torch_ref.head_rms_norm(qk, num_heads, q_weight, k_weight, eps)  # torch ops (Qwen3), no kernel yet
 
+    def refine_leaders(self, logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, k: int) -> None:
+        torch_ref.refine_leaders(logits, h, weight, k)  # torch ops on the device
+
     def lora_add(self, y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, a: torch.Tensor,
                  bt: torch.Tensor) -> None:
         # torch ops; the engine serves adapters on the CPU backend only (decode graphs hold no adapter)
