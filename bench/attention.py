@@ -67,7 +67,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/attention-<time>.json)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON path (default: bench/results/attention-<time>.json)")
     args = parser.parse_args()
     if cpu_kernels.library() is None:
         print("the native CPU kernels cannot run on this machine", file=sys.stderr)

@@ -91,8 +91,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.forge_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, ptr,
                                         ptr, i64, flag]
     lib.forge_split_rows.argtypes = [i64, i64, ptr, i64, ptr, i64, ptr, ctypes.c_double, flag, ptr]
-    lib.forge_refine_top.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, flag]
     lib.forge_split_rows.restype = i64
+    lib.forge_refine_top.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, flag]
     for name in ("forge_q4_linear", "forge_q8_linear", "forge_decode_attention", "forge_prefill_attention",
                  "forge_decode_layers"):
         getattr(lib, name).restype = ctypes.c_int
@@ -129,9 +129,8 @@ def build_for_this_cpu() -> Path:
         return _build(FLAGS)
 
 
-def _build(flags: list[str] | None = None) -> Path:
-    """The library built with `flags` (build_flags()), from the cache when it is there."""
-    flags = build_flags() if flags is None else flags
+def _build(flags: list[str]) -> Path:
+    """The library built with `flags`, from the cache when it is there."""
     compiler = os.environ.get("CC", "cc")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [p.read_text() for p in SOURCES]

@@ -237,8 +237,11 @@ static inline void split_bf16(const uint16_t *p, __m512 *even, __m512 *odd) {
  * attention score never comes near 1e-38.) */
 #ifdef __AVX512BF16__
 typedef __m512bh bf16_pairs;  /* 32 bf16, each pair's halves swapped */
+typedef int32_t __attribute__((may_alias)) aliased_i32;  /* a pair stored by a vector store, read alone */
 
-static inline bf16_pairs load_pairs(const uint16_t *p) { return (__m512bh)_mm512_rol_epi32(_mm512_loadu_si512(p), 16); }
+static inline bf16_pairs load_pairs(const uint16_t *p) {
+    return (__m512bh)_mm512_rol_epi32(_mm512_loadu_si512(p), 16);
+}
 
 static inline __m512 dot_pairs(__m512 dot, bf16_pairs q, bf16_pairs k) { return _mm512_dpbf16_ps(dot, q, k); }
 #else
@@ -575,7 +578,7 @@ static inline __attribute__((always_inline)) void partial(const float *kt, const
         const int64_t d = 32 * c + 2 * j;
 #ifdef __AVX512BF16__
         const __m512bh keys = (__m512bh)_mm512_loadu_si512(kt + d / 2 * 16);
-        const int32_t *pairs = (const int32_t *)qf;  /* head g's elements d, d + 1: pair d / 2 of its row */
+        const aliased_i32 *pairs = (const aliased_i32 *)qf;  /* head g's elements d, d + 1: pair d / 2 of its row */
         for (int g = 0; g < NG; g++)
             p[g] = _mm512_dpbf16_ps(p[g], (__m512bh)_mm512_set1_epi32(pairs[g * hd + d / 2]), keys);
 #else
