@@ -166,6 +166,11 @@ class Backend(Protocol):
         """x [T, K] @ weight.T -> [T, N], reading `packed` (from pack_linear) where it serves."""
         ...
 
+    def linear_widened(self, x: torch.Tensor, weight: torch.Tensor | None, packed: Any) -> torch.Tensor:
+        """linear(x, weight, packed) as fp32 [T, N]: each value as linear rounds it in x's dtype (the
+        logits of a bf16 lm_head, which the sampler reads in fp32)."""
+        ...
+
     # ---- per-layer ops ----
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of x [T, D] (the fp32 residual stream) -> [T, D] in weight's dtype, with Hugging
@@ -175,6 +180,14 @@ class Backend(Protocol):
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
         """residual += delta in place (rounded as `residual + delta`), then rms_norm(residual)."""
+        ...
+
+    def final_norm(self, x: torch.Tensor, delta: torch.Tensor | None, rows: torch.Tensor, weight: torch.Tensor,
+                   eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final RMSNorm of the rows that need logits: h = rms_norm(x[rows] + delta[rows]) [N, D]
+        fp32, for x [T, D] (the fp32 residual stream), delta [T, D] (the last sublayer's output, not
+        yet added; None where there is none), rows int64 [N] and an fp32 weight [D]; and h in `dtype`
+        (the lm_head's input). x is left as it is."""
         ...
 
     def head_rms_norm(self, qk: torch.Tensor, num_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,

@@ -36,6 +36,10 @@ class CpuBackend:
     def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: CpuWeight | None) -> torch.Tensor:
         return cpu_linear.linear(x, weight, packed)  # the native kernels, else torch's 4-bit / int8 or dense
 
+    @staticmethod
+    def linear_widened(x: torch.Tensor, weight: torch.Tensor | None, packed: CpuWeight | None) -> torch.Tensor:
+        return cpu_linear.linear_widened(x, weight, packed)  # the native GEMMs store fp32 themselves
+
     # ---- per-layer ops ----
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,6 +53,13 @@ class CpuBackend:
         if delta.dtype == torch.bfloat16 and cpu_kernels.norm_supported(residual, weight):
             return cpu_kernels.add_rms_norm(residual, delta, weight, eps)
         return torch_ref.rms_norm(residual.add_(delta), weight, eps)
+
+    @staticmethod
+    def final_norm(x: torch.Tensor, delta: torch.Tensor | None, rows: torch.Tensor, weight: torch.Tensor,
+                   eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if cpu_kernels.final_norm_supported(x, delta, weight, dtype):  # one call for the gather, add, norm, cast
+            return cpu_kernels.final_norm(x, delta, rows, weight, eps)
+        return torch_ref.final_norm(x, delta, rows, weight, eps, dtype)
 
     @staticmethod
     def head_rms_norm(qk: torch.Tensor, num_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,

@@ -40,6 +40,7 @@ GROUP = 32  # inputs per scale
 FINE_ABOVE = 4.0
 TILE = 16  # weight rows per tile
 ROWS = 8  # activation rows per pass over a tile (ROWS in quant_gemm.c)
+OUT_FP32, OUT_BF16, OUT_BF16_AS_FP32 = 0, 1, 2  # how a GEMM stores its output (quant_gemm.c's out_form)
 
 
 @dataclass
@@ -93,8 +94,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.forge_split_rows.argtypes = [i64, i64, ptr, i64, ptr, i64, ptr, ctypes.c_double, flag, ptr]
     lib.forge_split_rows.restype = i64
     lib.forge_refine_top.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, flag]
+    lib.forge_final_norm.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, f32, ptr, ptr]
     for name in ("forge_q4_linear", "forge_q8_linear", "forge_decode_attention", "forge_prefill_attention",
-                 "forge_decode_layers"):
+                 "forge_decode_layers", "forge_final_norm"):
         getattr(lib, name).restype = ctypes.c_int
     for name in ("forge_add_rms_norm", "forge_silu_mul", "forge_rotary", "forge_add_bias", "forge_head_rms_norm",
                  "forge_lora_add", "forge_refine_top"):
@@ -202,8 +204,10 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     return (codes.view(n, groups, GROUP) * scale[..., None] + offset[..., None]).view(n, k)
 
 
-def linear(x: torch.Tensor, w: QuantWeight, levels: int = 2, fine_above: float = FINE_ABOVE) -> torch.Tensor:
+def linear(x: torch.Tensor, w: QuantWeight, levels: int = 2, fine_above: float = FINE_ABOVE,
+           widened: bool = False) -> torch.Tensor:
     """x [M, K] (bf16 or fp32) @ w.T -> [M, N] in x's dtype, x quantised to int8 per group of 32.
+    widened (bf16 x): fp32 out, holding the bf16 results as they are (what `.float()` of them gives).
 
     levels=1: one level, coarse where a group holds a large value. levels=2: a second level, carrying
     the first one's rounding error, in the groups whose largest value passes `fine_above` x the
@@ -224,11 +228,12 @@ def linear(x: torch.Tensor, w: QuantWeight, levels: int = 2, fine_above: float =
     if not fine_above >= 0:
         raise ValueError(f"fine_above must be 0 or more, not {fine_above}")
     x = x.contiguous()
-    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    bf16 = x.dtype == torch.bfloat16
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32 if widened else x.dtype)
     lib = library()
-    common = (x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], w.shape[1], w.shape[0], w.codes.data_ptr(),
-              w.scale.data_ptr())
-    tail = (out.data_ptr(), out.dtype == torch.bfloat16, levels, fine_above, torch.get_num_threads())
+    common = (x.data_ptr(), bf16, x.shape[0], w.shape[1], w.shape[0], w.codes.data_ptr(), w.scale.data_ptr())
+    form = (OUT_BF16_AS_FP32 if widened else OUT_BF16) if bf16 else OUT_FP32
+    tail = (out.data_ptr(), form, levels, fine_above, torch.get_num_threads())
     if w.offset is not None:
         status = lib.forge_q4_linear(*common, w.offset.data_ptr(), *tail)
     else:
@@ -268,6 +273,29 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
     library().forge_add_rms_norm(residual.data_ptr(), _ptr(delta),
                                  weight.contiguous().data_ptr(), out.data_ptr(), t, d, eps, torch.get_num_threads())
     return out
+
+
+def final_norm_supported(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                         dtype: torch.dtype) -> bool:
+    """The final norm of an fp32 residual stream [T, D] plus a bf16 delta, with an fp32 weight, for a
+    bf16 lm_head."""
+    return (library() is not None and dtype == torch.bfloat16 and x.dtype == torch.float32 and x.is_cpu
+            and x.dim() == 2 and x.is_contiguous() and x.shape[1] % 16 == 0 and weight.dtype == torch.float32
+            and weight.is_contiguous() and (delta is None or (_bf16(delta) and delta.shape == x.shape
+                                                              and delta.is_contiguous())))
+
+
+def final_norm(x: torch.Tensor, delta: torch.Tensor | None, rows: torch.Tensor, weight: torch.Tensor,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = RMSNorm(x[rows] + delta[rows]) [N, D] fp32 (torch_ref.rms_norm's roundings, an fp32 weight),
+    and h rounded to bf16; x is left as it is. A row outside x raises IndexError."""
+    rows = rows.to(torch.int64).contiguous()
+    n, d = rows.shape[0], x.shape[1]
+    h, low = torch.empty(n, d), torch.empty(n, d, dtype=torch.bfloat16)
+    if library().forge_final_norm(x.data_ptr(), _ptr(delta), x.shape[0], rows.data_ptr(), n, d, weight.data_ptr(),
+                                  eps, h.data_ptr(), low.data_ptr()):
+        raise IndexError(f"logit rows out of range for {x.shape[0]} rows")
+    return h, low
 
 
 def silu_mul_supported(gate_up: torch.Tensor) -> bool:

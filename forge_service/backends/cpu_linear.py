@@ -79,6 +79,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: CpuWeight | Non
     return F.linear(x, weight)
 
 
+def linear_widened(x: torch.Tensor, weight: torch.Tensor | None, packed: CpuWeight | None) -> torch.Tensor:
+    # linear(x, ...) as fp32, its values as linear rounds them: the native GEMMs store them so
+    # (no bf16 output to widen in a second pass)
+    if packed is not None and packed.native is not None and x.dtype == torch.bfloat16:
+        return cpu_kernels.linear(x, packed.native, packed.levels, widened=True)
+    return linear(x, weight, packed).float()
+
+
 def needs_dense(packed: CpuWeight | None) -> bool:
     """Whether `linear` may read the dense weight: not once the native kernels take every batch."""
     return packed is None or packed.native is None

@@ -20,6 +20,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(weight.dtype)
 
 
+def final_norm(x: torch.Tensor, delta: torch.Tensor | None, rows: torch.Tensor, weight: torch.Tensor, eps: float,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # Backend.final_norm in torch ops: x[rows] (+ delta[rows]), its rms_norm (an fp32 weight: fp32
+    # throughout), and that in `dtype`
+    h = rms_norm(x[rows] if delta is None else x[rows] + delta[rows], weight, eps)
+    return h, h.to(dtype)
+
+
 def head_rms_norm(qk: torch.Tensor, num_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
                   eps: float) -> torch.Tensor:
     # qk: [T, H + Hkv, hd] -> each query head normalised with q_weight [hd], each key head with

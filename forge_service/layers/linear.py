@@ -35,3 +35,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] -> [T, N]
         return self.backend.linear(x, self.weight, self.packed)
+
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, K] -> [T, N] fp32, each value as __call__ rounds it
+        return self.backend.linear_widened(x, self.weight, self.packed)

@@ -44,7 +44,7 @@ class LlamaModel:
         # backend may read it as int8 for the full product: its leading logits are refined anyway.
         self.lm_head_weight = weights.get("lm_head.weight", self.embed)
         self.lm_head = Linear(backend, self.lm_head_weight, int8_rows=True)
-        self.norm = weights["model.norm.weight"]
+        self.norm = weights["model.norm.weight"].float()  # the final norm runs in fp32 throughout
         self.layers = [self._layer(weights, codes or {}, decoders or {}, i) for i in range(arch.num_layers)]
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                       arch.rope_scaling, weights.get("model.rope_freq_factors"))
@@ -127,10 +127,10 @@ class LlamaModel:
                 h = self._add_norm(x, delta, layer.input_norm)
                 delta = self._attention(layer, h, rope, k_cache, v_cache, meta, adapted)
                 delta = self._mlp(layer, self._add_norm(x, delta, layer.post_norm), adapted)
-        rows = x[logits_indices] if delta is None else x[logits_indices] + delta[logits_indices]
-        h = self.backend.rms_norm(rows, self.norm.float(), self.arch.rms_norm_eps)  # [N, D] fp32
+        # [N, D] fp32, and in the compute dtype for the lm_head
+        h, h_low = self.backend.final_norm(x, delta, logits_indices, self.norm, self.arch.rms_norm_eps, self.dtype)
         self.last_hidden = h  # the rows' final hidden states, for embeddings (ModelRunner._embed)
-        logits = self.lm_head(h.to(self.dtype)).float()  # [N, V]
+        logits = self.lm_head.widened(h_low)  # [N, V] fp32
         if self.dtype != torch.float32:
             self._refine_leaders(h, logits)
         return logits

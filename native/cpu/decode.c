@@ -31,10 +31,10 @@
 #define MAX_SPLIT 4   /* the most threads a step is split between by rows (with more, by weight tiles) */
 
 int forge_q4_linear(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
-                    const uint16_t *wd16, const uint16_t *wm16, void *out, int out_bf16, int levels,
+                    const uint16_t *wd16, const uint16_t *wm16, void *out, int out_form, int levels,
                     float fine_above, int threads);
 int forge_q8_linear(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
-                    const uint16_t *wd16, void *out, int out_bf16, int levels, float fine_above, int threads);
+                    const uint16_t *wd16, void *out, int out_form, int levels, float fine_above, int threads);
 void forge_add_rms_norm(float *residual, const uint16_t *delta, const uint16_t *weight, uint16_t *out, int64_t T,
                         int64_t D, float eps, int threads);
 void forge_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t F, int threads);

@@ -72,6 +72,36 @@ void forge_add_rms_norm(float *residual, const uint16_t *delta, const uint16_t *
     }
 }
 
+/* The final norm of the rows that need logits: for each i < N, v = x[rows[i]] (fp32, x [T, D]) +
+ * delta[rows[i]] (bf16; none when delta is NULL), rounded as torch's `x + delta`; h[i] = weight *
+ * (v / rms(v)) in fp32, as torch_ref.rms_norm with an fp32 weight rounds it, and h_low[i] = h[i]
+ * rounded to bf16. x is not written. D % 16 == 0. Returns 1, writing nothing, if a row is not in
+ * 0 .. T - 1. One thread: a step's few rows, where the torch ops cost ~10 us each. */
+int forge_final_norm(const float *x, const uint16_t *delta, int64_t T, const int64_t *rows, int64_t N, int64_t D,
+                     const float *weight, float eps, float *h, uint16_t *h_low) {
+    for (int64_t i = 0; i < N; i++)
+        if (rows[i] < 0 || rows[i] >= T) return 1;
+    for (int64_t i = 0; i < N; i++) {
+        const float *xr = x + rows[i] * D;
+        const uint16_t *dr = delta ? delta + rows[i] * D : NULL;
+        float *hr = h + i * D;
+        __m512 squares = _mm512_setzero_ps();
+        for (int64_t j = 0; j < D; j += 16) {
+            __m512 v = _mm512_loadu_ps(xr + j);
+            if (dr) v = _mm512_add_ps(v, bf16x16(dr + j));
+            _mm512_storeu_ps(hr + j, v);
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)D + eps));
+        for (int64_t j = 0; j < D; j += 16) {
+            const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(weight + j), _mm512_mul_ps(_mm512_loadu_ps(hr + j), inv));
+            _mm512_storeu_ps(hr + j, y);
+            store_bf16(h_low + i * D + j, y);
+        }
+    }
+    return 0;
+}
+
 /* gate_up [T, 2F] bf16 -> out [T, F] bf16 = bf16(silu(gate)) * up. F % 16 == 0. */
 void forge_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t F, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (T >= PARALLEL_ROWS)

@@ -128,8 +128,12 @@ static inline __m512 halves(const uint16_t *p) {  /* 16 fp16 -> fp32 */
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
-static inline void store16(void *out, int out_bf16, int64_t at, __m512 y) {
-    if (!out_bf16) {
+/* How a GEMM stores y: fp32, bf16, or fp32 holding y rounded to bf16 (the bf16 store's values,
+ * widened: what a caller that wants fp32 would get from the bf16 store and a copy). */
+enum { OUT_FP32 = 0, OUT_BF16 = 1, OUT_BF16_AS_FP32 = 2 };
+
+static inline void store16(void *out, int out_form, int64_t at, __m512 y) {
+    if (out_form == OUT_FP32) {
         _mm512_storeu_ps((float *)out + at, y);
         return;
     }
@@ -137,7 +141,10 @@ static inline void store16(void *out, int out_bf16, int64_t at, __m512 y) {
     __m512i u = _mm512_castps_si512(y);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    if (out_form == OUT_BF16_AS_FP32)
+        _mm512_storeu_si512((float *)out + at, _mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
+    else
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
 
 /* The 16 weight rows of a tile in group g as 8 vectors of 4 codes per int32 lane. */
@@ -245,7 +252,7 @@ static inline __attribute__((always_inline)) void tile_rows(int q4, int64_t t, c
                                                             const int8_t *a, const int8_t *a_fine,
                                                             const float *xd, const float *xs,
                                                             const uint8_t *need, int64_t M, int64_t K, int64_t N,
-                                                            void *out, int out_bf16, uint8_t *spare) {
+                                                            void *out, int out_form, uint8_t *spare) {
     const int64_t groups = K / GROUP, tile_bytes = (q4 ? K / 2 : K) * TILE;
     const uint8_t *w = codes + t * tile_bytes;
     const uint16_t *d = wd16 + t * groups * TILE, *o = q4 ? wm16 + t * groups * TILE : NULL;
@@ -286,12 +293,12 @@ static inline __attribute__((always_inline)) void tile_rows(int q4, int64_t t, c
             default: TILE_CASE(8)
         }
 #undef TILE_CASE
-        for (int64_t i = 0; i < rows; i++) store16(out, out_bf16, (m0 + i) * N + t * TILE, y[i]);
+        for (int64_t i = 0; i < rows; i++) store16(out, out_form, (m0 + i) * N + t * TILE, y[i]);
     }
 }
 
 static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
-                  const uint16_t *wd16, const uint16_t *wm16, void *out, int out_bf16, int levels,
+                  const uint16_t *wd16, const uint16_t *wm16, void *out, int out_form, int levels,
                   float fine_above, int threads) {
     if (M < 1 || N < TILE || N % TILE || K < GROUP || K % GROUP || levels < 1 || levels > 2 || !(fine_above >= 0))
         return BAD_SHAPE;
@@ -334,10 +341,10 @@ static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64
 #pragma omp parallel for schedule(guided, chunk) num_threads(threads)
     for (int64_t t = 0; t < tiles; t++) {
         if (q4)
-            tile_rows(1, t, codes, wd16, wm16, a, a_fine, xd, xs, need, M, K, N, out, out_bf16,
+            tile_rows(1, t, codes, wd16, wm16, a, a_fine, xd, xs, need, M, K, N, out, out_form,
                       spare ? spare + (int64_t)omp_get_thread_num() * groups * TILE * GROUP : NULL);
         else
-            tile_rows(0, t, codes, wd16, NULL, a, a_fine, xd, xs, need, M, K, N, out, out_bf16, NULL);
+            tile_rows(0, t, codes, wd16, NULL, a, a_fine, xd, xs, need, M, K, N, out, out_form, NULL);
     }
     free(spare);
     free(a);
@@ -345,17 +352,17 @@ static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64
 }
 
 /* y[M, N] = x[M, K] @ w[N, K].T, w in the q4 layout (codes [N / 16][K / 32][256] bytes, wd16 and
- * wm16 fp16 [N / 16][K / 32][16]). x and y are bf16 when the flags say so, fp32 otherwise; x is
- * quantised to one int8 level, or with levels = 2 to a second one in its outlier groups (see
- * quantize_rows); `threads` OpenMP threads. */
+ * wm16 fp16 [N / 16][K / 32][16]). x is bf16 when x_bf16 says so, fp32 otherwise; y is stored as
+ * out_form says (OUT_FP32, OUT_BF16 or OUT_BF16_AS_FP32); x is quantised to one int8 level, or with
+ * levels = 2 to a second one in its outlier groups (see quantize_rows); `threads` OpenMP threads. */
 int forge_q4_linear(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
-                    const uint16_t *wd16, const uint16_t *wm16, void *out, int out_bf16, int levels,
+                    const uint16_t *wd16, const uint16_t *wm16, void *out, int out_form, int levels,
                     float fine_above, int threads) {
-    return linear(1, x, x_bf16, M, K, N, codes, wd16, wm16, out, out_bf16, levels, fine_above, threads);
+    return linear(1, x, x_bf16, M, K, N, codes, wd16, wm16, out, out_form, levels, fine_above, threads);
 }
 
 /* As forge_q4_linear, w in the q8 layout (codes [N / 16][K / 32][512] bytes, wd16). */
 int forge_q8_linear(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
-                    const uint16_t *wd16, void *out, int out_bf16, int levels, float fine_above, int threads) {
-    return linear(0, x, x_bf16, M, K, N, codes, wd16, NULL, out, out_bf16, levels, fine_above, threads);
+                    const uint16_t *wd16, void *out, int out_form, int levels, float fine_above, int threads) {
+    return linear(0, x, x_bf16, M, K, N, codes, wd16, NULL, out, out_form, levels, fine_above, threads);
 }

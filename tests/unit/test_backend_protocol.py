@@ -22,9 +22,9 @@ def _parameters(function) -> list[str]:
 
 def test_the_protocol_lists_what_the_model_and_runner_call() -> None:
     assert METHODS == sorted([
-        "pack_linear", "needs_dense", "linear", "rms_norm", "add_rms_norm", "head_rms_norm", "lora_add", "refine_leaders",
-        "silu_and_mul", "rotary_tables", "rotary", "write_kv", "attention", "decode_plan", "prepare", "sampler", "startup",
-        "run"])
+        "pack_linear", "needs_dense", "linear", "linear_widened", "rms_norm", "add_rms_norm", "final_norm",
+        "head_rms_norm", "lora_add", "refine_leaders", "silu_and_mul", "rotary_tables", "rotary", "write_kv",
+        "attention", "decode_plan", "prepare", "sampler", "startup", "run"])
     assert ATTRIBUTES == ["device", "name"]
     for name in METHODS:
         assert inspect.getdoc(getattr(Backend, name)), f"Backend.{name} has no docstring"

@@ -185,6 +185,44 @@ def test_add_rms_norm_matches_the_torch_norm() -> None:
     assert torch.equal(untouched, residual)
 
 
+def test_final_norm_gathers_adds_and_normalises_the_logit_rows_as_the_torch_ops_do() -> None:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 576, generator=g) * 3
+    delta = torch.randn(40, 576, generator=g).bfloat16()
+    weight = torch.rand(576, generator=g) + 0.5  # fp32, as the model's final norm keeps it
+    rows = torch.tensor([39, 0, 17, 17, 5])
+    before = x.clone()
+    for d in (delta, None):
+        h, low = cpu_kernels.final_norm(x, d, rows, weight, 1e-5)
+        want, want_low = torch_ref.final_norm(x, d, rows, weight, 1e-5, torch.bfloat16)
+        assert h.dtype == torch.float32 and h.shape == (5, 576) and low.dtype == torch.bfloat16
+        assert torch.allclose(h, want, rtol=1e-6, atol=0)  # the sum of squares in another order
+        assert torch.equal(low, h.bfloat16())  # rounded to nearest even, as torch casts
+        assert (low == want_low).float().mean() > 0.99
+        assert torch.equal(h[2], h[3])  # a row's result is its own, wherever it is listed
+        alone, _ = cpu_kernels.final_norm(x, d, rows[2:3], weight, 1e-5)
+        assert torch.equal(alone[0], h[2])
+    assert torch.equal(x, before)  # the residual stream is read, not written
+    with pytest.raises(IndexError):
+        cpu_kernels.final_norm(x, delta, torch.tensor([0, 40]), weight, 1e-5)
+    with pytest.raises(IndexError):
+        cpu_kernels.final_norm(x, delta, torch.tensor([-1]), weight, 1e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_widened_gemm_stores_the_bf16_results_as_fp32(bits: int) -> None:
+    """The lm_head's logits, stored as fp32 by the GEMM itself: the values its bf16 output holds."""
+    n, k = 960, 576
+    codes, scale, zero = _codes(n, k, seed=3)
+    w = cpu_kernels.pack_q4(codes, scale, zero) if bits == 4 else cpu_kernels.pack_q8(torch.randn(n, k) * 0.05)
+    for rows in (1, 16, 65):
+        x = _with_outliers(rows, k, seed=rows).bfloat16()
+        for levels in (1, 2):
+            got = cpu_kernels.linear(x, w, levels, widened=True)
+            assert got.dtype == torch.float32
+            assert torch.equal(got, cpu_kernels.linear(x, w, levels).float())
+
+
 def test_silu_mul_matches_torch() -> None:
     gate_up = (torch.randn(3, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4).bfloat16()
     gate, up = gate_up.chunk(2, dim=-1)

@@ -53,6 +53,9 @@ class CudaBackend:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, packed: None) -> torch.Tensor:
         return self.gemm(x, weight)
 
+    def linear_widened(self, x: torch.Tensor, weight: torch.Tensor, packed: None) -> torch.Tensor:
+        return self.gemm(x, weight).float()
+
     # ---- per-layer ops ----
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -81,6 +84,11 @@ class CudaBackend:
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
         return norm.add_rms_norm(self.kernels, residual, delta, weight, eps)
+
+    def final_norm(self, x: torch.Tensor, delta: torch.Tensor | None, rows: torch.Tensor, weight: torch.Tensor,
+                   eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.rms_norm(x[rows] if delta is None else x[rows] + delta[rows], weight, eps)
+        return h, h.to(dtype)
 
     def head_rms_norm(self, qk: torch.Tensor, num_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
                       eps: float) -> torch.Tensor:
