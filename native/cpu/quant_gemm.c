@@ -13,6 +13,10 @@
  *   x[m, k] ~ (a[m, k] + f[m, k] / 254) * xd[m, g]     a, f in -127..127
  *   y[m, n] = sum_g wd xd sum_k(code (a + f / 254)) + wm xd sum_k(a + f / 254)
  *
+ * For q8 the offset term is integer arithmetic: each level's dot starts from -128 sum_k(a) (or
+ * sum_k(f)), so that it ends as sum_k((code - 128) a) exactly, and a group costs a row one float
+ * multiply-add fewer (they share the VNNI's pipes).
+ *
  * The first level's error in a group is up to amax / 254 per value, so nearly all of it sits in
  * the few groups that hold one of the row's large values (a model's activations have a handful of
  * channels far above the rest). The second level is kept for those groups only, f = 0 elsewhere:
@@ -72,7 +76,8 @@ static inline __m512 load16(const void *x, int bf16, int64_t at) {
 
 /* Rows m0 .. m1 - 1 (m0 a multiple of ROWS) of x [M, K] (bf16 or fp32) -> int8 levels a0 (in a)
  * and, with levels = 2, a1 (in a_fine), with x ~ xd (a0 + a1 / 254), and scales xd and
- * xs = xd * sum(a0 + a1 / 254) per row and group of 32 (stored as below). The second level
+ * xs = xd * sum(a0 + a1 / 254) per row and group of 32, and xo = -128 sum(a0), -128 sum(a1) (the
+ * q8 codes' offset, per level; stored as below, a pair per row and group). The second level
  * carries the first one's rounding error in the groups that hold one of the row's large values
  * (amax > fine_above * the row's RMS; all groups when fine_above is 0) and is zero elsewhere.
  * Bit i of need[b][g] says that row ROWS b + i has a second level in group g.
@@ -85,7 +90,8 @@ static inline int64_t at_block(int64_t m, int64_t g, int64_t groups) {  /* row m
 }
 
 static void quantize_rows(const void *x, int x_bf16, int64_t m0, int64_t m1, int64_t K, int levels,
-                          float fine_above, int8_t *a, int8_t *a_fine, float *xd, float *xs, uint8_t *need) {
+                          float fine_above, int8_t *a, int8_t *a_fine, float *xd, float *xs, int32_t *xo,
+                          uint8_t *need) {
     const int64_t groups = K / GROUP;
     const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
     memset(need + m0 / ROWS * groups, 0, ((m1 - m0 + ROWS - 1) / ROWS) * groups);
@@ -104,12 +110,15 @@ static void quantize_rows(const void *x, int x_bf16, int64_t m0, int64_t m1, int
             const float d = amax / 127.0f;
             const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
             __m512 total_levels = _mm512_setzero_ps();
+            __m512i sum0 = _mm512_setzero_si512(), sum1 = _mm512_setzero_si512();
             for (int h = 0; h < 2; h++) {
                 const __m512 scaled = _mm512_mul_ps(v[h], inv);  /* in units of d */
                 const __m512i q0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(scaled), hi), lo);
                 const __m512 rest = _mm512_mul_ps(_mm512_sub_ps(scaled, _mm512_cvtepi32_ps(q0)), _mm512_set1_ps(254.0f));
                 const __m512i q1 = second ? _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(rest), hi), lo)
                                           : _mm512_setzero_si512();
+                sum0 = _mm512_add_epi32(sum0, q0);
+                sum1 = _mm512_add_epi32(sum1, q1);
                 total_levels = _mm512_add_ps(total_levels, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1),
                                                                            _mm512_set1_ps(1.0f / 254.0f),
                                                                            _mm512_cvtepi32_ps(q0)));
@@ -119,6 +128,8 @@ static void quantize_rows(const void *x, int x_bf16, int64_t m0, int64_t m1, int
             }
             xd[slot] = d;
             xs[slot] = d * _mm512_reduce_add_ps(total_levels);
+            xo[2 * slot] = -128 * _mm512_reduce_add_epi32(sum0);
+            xo[2 * slot + 1] = -128 * _mm512_reduce_add_epi32(sum1);
             if (second) need[m / ROWS * groups + g] |= (uint8_t)(1u << (m % ROWS));
         }
     }
@@ -169,8 +180,7 @@ static inline __attribute__((always_inline)) __m512i dpbusd_at(__m512i dot, __m5
     return dot;
 }
 
-static inline __m512i dot8(const __m512i *chunk, const int8_t *x) {  /* one activation row's group */
-    __m512i dot = _mm512_setzero_si512();
+static inline __m512i dot8(__m512i dot, const __m512i *chunk, const int8_t *x) {  /* + one row's group */
     for (int c = 0; c < 8; c++) dot = dpbusd_at(dot, chunk[c], x + 4 * c);
     return dot;
 }
@@ -188,8 +198,8 @@ static inline __m512i dot8(const __m512i *chunk, const int8_t *x) {  /* one acti
 static inline __attribute__((always_inline)) void tile(int q4, int unpacked, const uint8_t *codes,
                                                        const uint16_t *wd16, const uint16_t *wm16, const int8_t *a,
                                                        const int8_t *a_fine, const float *xd, const float *xs,
-                                                       const uint8_t *need, int64_t K, int64_t b, const int R,
-                                                       __m512 *y, const uint8_t *ahead) {
+                                                       const int32_t *xo, const uint8_t *need, int64_t K, int64_t b,
+                                                       const int R, __m512 *y, const uint8_t *ahead) {
     const int packed = q4 && !unpacked;  /* codes in the q4 layout; else 8 vectors a group, as q8 */
     const int64_t groups = K / GROUP, group_bytes = packed ? TILE * GROUP / 2 : TILE * GROUP;
     __m512i chunk[8];
@@ -212,7 +222,7 @@ static inline __attribute__((always_inline)) void tile(int q4, int unpacked, con
         }
         __m512i dot[ROWS];
 #pragma GCC unroll 8
-        for (int i = 0; i < R; i++) dot[i] = _mm512_setzero_si512();
+        for (int i = 0; i < R; i++) dot[i] = q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(xo[2 * (slot + i)]);
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++) {
 #pragma GCC unroll 8
@@ -221,11 +231,13 @@ static inline __attribute__((always_inline)) void tile(int q4, int unpacked, con
             }
         }
         const __m512 wd = halves(wd16 + g * TILE);
-        const __m512 wm = q4 ? halves(wm16 + g * TILE) : _mm512_mul_ps(wd, _mm512_set1_ps(-128.0f));
 #pragma GCC unroll 8
-        for (int i = 0; i < R; i++) {
+        for (int i = 0; i < R; i++)
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(wd, _mm512_set1_ps(xdb[i])), acc[i]);
-            acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsb[i]), acc[i]);
+        if (q4) {  /* q8's offset is in its dots already */
+            const __m512 wm = halves(wm16 + g * TILE);
+#pragma GCC unroll 8
+            for (int i = 0; i < R; i++) acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsb[i]), acc[i]);
         }
     }
     for (int64_t g = 0; g < groups; g++) {  /* then the second level, group by group */
@@ -237,7 +249,8 @@ static inline __attribute__((always_inline)) void tile(int q4, int unpacked, con
 #pragma GCC unroll 8
         for (int i = 0; i < R; i++) {
             if (!(rows >> i & 1)) continue;
-            const __m512 sum = _mm512_cvtepi32_ps(dot8(chunk, a_fine + (slot + i) * GROUP));
+            const __m512i start = q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(xo[2 * (slot + i) + 1]);
+            const __m512 sum = _mm512_cvtepi32_ps(dot8(start, chunk, a_fine + (slot + i) * GROUP));
             const __m512 scale = _mm512_mul_ps(wd, _mm512_set1_ps(xd[slot + i] * (1.0f / 254.0f)));
             acc[i] = _mm512_fmadd_ps(sum, scale, acc[i]);
         }
@@ -250,7 +263,7 @@ static inline __attribute__((always_inline)) void tile(int q4, int unpacked, con
 static inline __attribute__((always_inline)) void tile_rows(int q4, int64_t t, const uint8_t *codes,
                                                             const uint16_t *wd16, const uint16_t *wm16,
                                                             const int8_t *a, const int8_t *a_fine,
-                                                            const float *xd, const float *xs,
+                                                            const float *xd, const float *xs, const int32_t *xo,
                                                             const uint8_t *need, int64_t M, int64_t K, int64_t N,
                                                             void *out, int out_form, uint8_t *spare) {
     const int64_t groups = K / GROUP, tile_bytes = (q4 ? K / 2 : K) * TILE;
@@ -278,9 +291,9 @@ static inline __attribute__((always_inline)) void tile_rows(int q4, int64_t t, c
         const uint8_t *ahead = m0 + ROWS >= M && t + 1 < N / TILE ? codes + (t + 1) * tile_bytes : NULL;
 #define TILE_CASE(R)                                                                                   \
     if (unpacked)                                                                                      \
-        tile(q4, 1, w, d, o, a, a_fine, xd, xs, rows_need, K, b, R, y, ahead);                         \
+        tile(q4, 1, w, d, o, a, a_fine, xd, xs, xo, rows_need, K, b, R, y, ahead);                     \
     else                                                                                               \
-        tile(q4, 0, w, d, o, a, a_fine, xd, xs, rows_need, K, b, R, y, ahead);                         \
+        tile(q4, 0, w, d, o, a, a_fine, xd, xs, xo, rows_need, K, b, R, y, ahead);                     \
     break;
         switch (rows) {
             case 1: TILE_CASE(1)
@@ -304,10 +317,11 @@ static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64
         return BAD_SHAPE;
     const int64_t groups = K / GROUP, blocks = (M + ROWS - 1) / ROWS;
     const int64_t padded = blocks * ROWS;
-    int8_t *a = malloc(levels * padded * K + 2 * padded * groups * sizeof(float) + blocks * groups);
+    int8_t *a = malloc(levels * padded * K + 4 * padded * groups * sizeof(float) + blocks * groups);
     if (!a) return NO_MEMORY;
     float *xd = (float *)(a + levels * padded * K), *xs = xd + padded * groups;
-    uint8_t *need = (uint8_t *)(xs + padded * groups);
+    int32_t *xo = (int32_t *)(xs + padded * groups);  /* a pair per row and group */
+    uint8_t *need = (uint8_t *)(xo + 2 * padded * groups);
     int8_t *a_fine = levels == 2 ? a + padded * K : NULL;  /* the second level, read where need[] says */
     /* From 4 blocks of rows (decode steps of 32 rows and prefill chunks) the rows are quantised by
      * all threads, a block each at a time: one thread alone took about a sixth of a 512-row GEMM,
@@ -317,9 +331,9 @@ static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t b = 0; b < blocks; b++)
             quantize_rows(x, x_bf16, b * ROWS, (b + 1) * ROWS < M ? (b + 1) * ROWS : M, K, levels, fine_above, a,
-                          a_fine, xd, xs, need);
+                          a_fine, xd, xs, xo, need);
     } else {
-        quantize_rows(x, x_bf16, 0, M, K, levels, fine_above, a, a_fine, xd, xs, need);
+        quantize_rows(x, x_bf16, 0, M, K, levels, fine_above, a, a_fine, xd, xs, xo, need);
     }
     /* A q4 tile's codes, unpacked once per tile for many blocks of rows: storing them costs more
      * than unpacking again up to about 8 blocks (measured: +10% at 2-4, even at 8, -8% at 64). */
@@ -341,10 +355,10 @@ static int linear(int q4, const void *x, int x_bf16, int64_t M, int64_t K, int64
 #pragma omp parallel for schedule(guided, chunk) num_threads(threads)
     for (int64_t t = 0; t < tiles; t++) {
         if (q4)
-            tile_rows(1, t, codes, wd16, wm16, a, a_fine, xd, xs, need, M, K, N, out, out_form,
+            tile_rows(1, t, codes, wd16, wm16, a, a_fine, xd, xs, xo, need, M, K, N, out, out_form,
                       spare ? spare + (int64_t)omp_get_thread_num() * groups * TILE * GROUP : NULL);
         else
-            tile_rows(0, t, codes, wd16, NULL, a, a_fine, xd, xs, need, M, K, N, out, out_form, NULL);
+            tile_rows(0, t, codes, wd16, NULL, a, a_fine, xd, xs, xo, need, M, K, N, out, out_form, NULL);
     }
     free(spare);
     free(a);
