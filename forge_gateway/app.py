@@ -366,6 +366,13 @@ async def _stream(request: Request, messages: list[pb.GenerateRequest], formatte
 
 async def _merge(calls: list[Any]) -> AsyncIterator[tuple[int, pb.StreamResponse]]:
     """(prompt index, message) from several server streams as they arrive; cancels them on exit."""
+    if len(calls) == 1:  # one prompt (nearly every request): read it directly, no task and queue per message
+        try:
+            async for message in calls[0]:
+                yield 0, message
+        finally:
+            calls[0].cancel()
+        return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(index: int, call: Any) -> None:
