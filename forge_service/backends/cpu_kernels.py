@@ -91,12 +91,13 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.forge_prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, flag]
     lib.forge_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, ptr,
                                         ptr, i64, flag]
+    lib.forge_decode_layers_stalled.argtypes = [*lib.forge_decode_layers.argtypes, ctypes.c_double, ptr]
     lib.forge_split_rows.argtypes = [i64, i64, ptr, i64, ptr, i64, ptr, ctypes.c_double, flag, ptr]
     lib.forge_split_rows.restype = i64
     lib.forge_refine_top.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, flag]
     lib.forge_final_norm.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, f32, ptr, ptr]
     for name in ("forge_q4_linear", "forge_q8_linear", "forge_decode_attention", "forge_prefill_attention",
-                 "forge_decode_layers", "forge_final_norm"):
+                 "forge_decode_layers", "forge_decode_layers_stalled", "forge_final_norm"):
         getattr(lib, name).restype = ctypes.c_int
     for name in ("forge_add_rms_norm", "forge_silu_mul", "forge_rotary", "forge_add_bias", "forge_head_rms_norm",
                  "forge_lora_add", "forge_refine_top"):

@@ -3,6 +3,7 @@ chunks) against the per-kernel path it replaces, on the default model: the same 
 logprobs, bit for bit."""
 from __future__ import annotations
 
+import ctypes
 import re
 from pathlib import Path
 from typing import Callable, Iterator
@@ -114,6 +115,40 @@ def test_steps_split_by_rows_between_threads_get_the_per_kernel_path_s_bits(two_
     words = "red green blue yellow black white pink brown grey gold silver orange purple".split()
     prompts = [llm.tokenizer.encode(" ".join((words[i % 13:] + words[:i % 13])[:6] * 5)) for i in range(24)]
     fused = _run(llm, prompts)
+    assert any(rows >= 16 and rows > sequences for rows, sequences in filter(None, steps))  # split, with drafts
+    model.decode_plan = None
+    assert _run(llm, prompts) == fused
+
+
+class _Stalled:
+    """The kernels' library, with each fused step's thread 0 held back `stall_s` at its start (as if
+    preempted), counting the runs the threads hand each other."""
+
+    def __init__(self, lib, stall_s: float) -> None:
+        self.lib, self.stall_s, self.handoffs = lib, stall_s, ctypes.c_int64(0)
+
+    def __getattr__(self, name: str):
+        return getattr(self.lib, name)
+
+    def forge_decode_layers(self, *args) -> int:
+        return self.lib.forge_decode_layers_stalled(*args, self.stall_s, ctypes.byref(self.handoffs))
+
+
+def test_a_thread_held_back_hands_rows_to_the_idle_one_with_the_same_bits(two_threads, monkeypatch):
+    # A decode step split by rows: its thread 0 is held back, its thread 1 finishes and waits, and
+    # thread 0 hands it the second half of its rows (a drafted sequence's rows together) at the next
+    # layer; every row's tokens and logprobs stay those of the per-kernel path.
+    llm = LLM(dtype="bfloat16", enable_prefix_caching=False, speculative="ngram", spec_step_base_rows=1000)
+    model = llm.engine.runner.model
+    steps = _recorded(model, lambda meta: None if meta.prefills else (
+        meta.num_decode_tokens, len(torch.unique(meta.decode_block_tables, dim=0))))
+    words = "red green blue yellow black white pink brown grey gold silver orange purple".split()
+    prompts = [llm.tokenizer.encode(" ".join((words[i % 13:] + words[:i % 13])[:6] * 5)) for i in range(20)]
+    stalled = _Stalled(cpu_kernels.library(), stall_s=0.05)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: stalled)
+    fused = _run(llm, prompts)
+    monkeypatch.undo()
+    assert stalled.handoffs.value > 0
     assert any(rows >= 16 and rows > sequences for rows, sequences in filter(None, steps))  # split, with drafts
     model.decode_plan = None
     assert _run(llm, prompts) == fused
