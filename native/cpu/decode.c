@@ -23,6 +23,7 @@
  * projection's rows are q (H heads), k (Hkv), v (Hkv); caches [slots, Hkv, hd] bf16.
  */
 #include <omp.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +33,7 @@
 #define MAX_SPLIT 4   /* the most threads a step is split between by rows (with more, by weight tiles) */
 #define HANDOFF_ROWS 4  /* the fewest rows a run hands off to an idle thread, and keeps */
 #define MAX_HANDOFFS 64  /* runs a step's threads hand each other at most */
+#define YIELD_AFTER_SPINS 2000  /* a thread waiting for a handoff spins ~50 us, then yields its core */
 
 int forge_q4_linear(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
                     const uint16_t *wd16, const uint16_t *wm16, void *out, int out_form, int levels,
@@ -303,7 +305,7 @@ static int share_rows(const forge_layer *layers, int64_t count, const forge_dims
         __atomic_sub_fetch(&share->pending, 1, __ATOMIC_ACQ_REL);  /* the run just finished */
         __atomic_add_fetch(&share->idle, 1, __ATOMIC_ACQ_REL);
         forge_run next;
-        int64_t from = -1;
+        int64_t from = -1, spins = 0;
         while (from < 0 && __atomic_load_n(&share->pending, __ATOMIC_ACQUIRE) > 0) {
             const int64_t queued = __atomic_load_n(&share->queued, __ATOMIC_ACQUIRE);
             if (queued > __atomic_load_n(&share->taken, __ATOMIC_ACQUIRE)) {  /* then take it in turn */
@@ -314,7 +316,8 @@ static int share_rows(const forge_layer *layers, int64_t count, const forge_dims
                     __atomic_store_n(&share->taken, share->taken + 1, __ATOMIC_RELEASE);
                 }
             }
-            if (from < 0) _mm_pause();
+            if (from < 0 && ++spins > YIELD_AFTER_SPINS) sched_yield();  /* a core other threads may want */
+            else if (from < 0) _mm_pause();
         }
         __atomic_sub_fetch(&share->idle, 1, __ATOMIC_ACQ_REL);
         if (from < 0) return status;  /* every run has finished */
