@@ -13,9 +13,9 @@
  *   x[m, k] ~ (a[m, k] + f[m, k] / 254) * xd[m, g]     a, f in -127..127
  *   y[m, n] = sum_g wd xd sum_k(code (a + f / 254)) + wm xd sum_k(a + f / 254)
  *
- * For q8 the offset term is integer arithmetic: each level's dot starts from -128 sum_k(a) (or
- * sum_k(f)), so that it ends as sum_k((code - 128) a) exactly, and a group costs a row one float
- * multiply-add fewer (they share the VNNI's pipes).
+ * For q8 the offset term is integer arithmetic: the first level's dot starts from -128 sum_k(a),
+ * the second's from -128 sum_k(f), so that each ends as the exact signed dot (sum_k((code - 128) a)),
+ * and a group costs a row one float multiply-add fewer (they share the VNNI's pipes).
  *
  * The first level's error in a group is up to amax / 254 per value, so nearly all of it sits in
  * the few groups that hold one of the row's large values (a model's activations have a handful of

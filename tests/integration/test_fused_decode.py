@@ -102,18 +102,24 @@ def two_threads() -> Iterator[None]:
         yield
 
 
-def test_steps_split_by_rows_between_threads_get_the_per_kernel_path_s_bits(two_threads):
-    # Decode steps of 16 rows and more run on 2 threads split by rows (native/cpu/decode.c,
-    # forge_split_rows), with drafts: a drafted sequence's rows stay on one thread. Prompts that
-    # repeat a run of words, and drafting priced as free (a step's fixed cost of 1,000 rows), so
-    # that most sequences draft at every batch size.
+def _drafting(count: int) -> tuple[LLM, list, list[list[int]]]:
+    """An engine whose sequences mostly draft at every batch size (prompts that repeat a run of
+    words, drafting priced as free: a step's fixed cost of 1,000 rows), the record of each decode
+    step's rows and the sequences among them (None for steps with prefill chunks), and `count`
+    prompts."""
     llm = LLM(dtype="bfloat16", enable_prefix_caching=False, speculative="ngram", spec_step_base_rows=1000)
-    model = llm.engine.runner.model
-    # each decode step's rows and the sequences among them (None for steps with prefill chunks)
-    steps = _recorded(model, lambda meta: None if meta.prefills else (
+    steps = _recorded(llm.engine.runner.model, lambda meta: None if meta.prefills else (
         meta.num_decode_tokens, len(torch.unique(meta.decode_block_tables, dim=0))))
     words = "red green blue yellow black white pink brown grey gold silver orange purple".split()
-    prompts = [llm.tokenizer.encode(" ".join((words[i % 13:] + words[:i % 13])[:6] * 5)) for i in range(24)]
+    prompts = [llm.tokenizer.encode(" ".join((words[i % 13:] + words[:i % 13])[:6] * 5)) for i in range(count)]
+    return llm, steps, prompts
+
+
+def test_steps_split_by_rows_between_threads_get_the_per_kernel_path_s_bits(two_threads):
+    # Decode steps of 16 rows and more run on 2 threads split by rows (native/cpu/decode.c,
+    # forge_split_rows), with drafts: a drafted sequence's rows stay on one thread.
+    llm, steps, prompts = _drafting(24)
+    model = llm.engine.runner.model
     fused = _run(llm, prompts)
     assert any(rows >= 16 and rows > sequences for rows, sequences in filter(None, steps))  # split, with drafts
     model.decode_plan = None
@@ -138,12 +144,8 @@ def test_a_thread_held_back_hands_rows_to_the_idle_one_with_the_same_bits(two_th
     # A decode step split by rows: its thread 0 is held back, its thread 1 finishes and waits, and
     # thread 0 hands it the second half of its rows (a drafted sequence's rows together) at the next
     # layer; every row's tokens and logprobs stay those of the per-kernel path.
-    llm = LLM(dtype="bfloat16", enable_prefix_caching=False, speculative="ngram", spec_step_base_rows=1000)
+    llm, steps, prompts = _drafting(20)
     model = llm.engine.runner.model
-    steps = _recorded(model, lambda meta: None if meta.prefills else (
-        meta.num_decode_tokens, len(torch.unique(meta.decode_block_tables, dim=0))))
-    words = "red green blue yellow black white pink brown grey gold silver orange purple".split()
-    prompts = [llm.tokenizer.encode(" ".join((words[i % 13:] + words[:i % 13])[:6] * 5)) for i in range(20)]
     stalled = _Stalled(cpu_kernels.library(), stall_s=0.05)
     monkeypatch.setattr(cpu_kernels, "library", lambda: stalled)
     fused = _run(llm, prompts)
