@@ -258,10 +258,15 @@ def _bf16(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _residual_stream(x: torch.Tensor) -> bool:
+    """Whether the norms' kernels read x as an fp32 residual stream [T, D], D % 16 == 0."""
+    return (library() is not None and x.dtype == torch.float32 and x.is_cpu and x.dim() == 2
+            and x.is_contiguous() and x.shape[1] % 16 == 0)
+
+
 def norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """RMSNorm of an fp32 residual stream [T, D] with a bf16 weight."""
-    return (library() is not None and x.dtype == torch.float32 and x.is_cpu and x.dim() == 2
-            and x.is_contiguous() and _bf16(weight) and x.shape[1] % 16 == 0)
+    return _residual_stream(x) and _bf16(weight)
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -280,10 +285,9 @@ def final_norm_supported(x: torch.Tensor, delta: torch.Tensor | None, weight: to
                          dtype: torch.dtype) -> bool:
     """The final norm of an fp32 residual stream [T, D] plus a bf16 delta, with an fp32 weight, for a
     bf16 lm_head."""
-    return (library() is not None and dtype == torch.bfloat16 and x.dtype == torch.float32 and x.is_cpu
-            and x.dim() == 2 and x.is_contiguous() and x.shape[1] % 16 == 0 and weight.dtype == torch.float32
-            and weight.is_contiguous() and (delta is None or (_bf16(delta) and delta.shape == x.shape
-                                                              and delta.is_contiguous())))
+    return (dtype == torch.bfloat16 and _residual_stream(x) and weight.dtype == torch.float32
+            and weight.is_contiguous()
+            and (delta is None or (_bf16(delta) and delta.shape == x.shape and delta.is_contiguous())))
 
 
 def final_norm(x: torch.Tensor, delta: torch.Tensor | None, rows: torch.Tensor, weight: torch.Tensor,

@@ -193,18 +193,25 @@ static int layer_out(const forge_layer *p, int64_t l, const forge_dims *dims, co
     return OK;
 }
 
+/* Scratch for a run of T rows (see forge_scratch), in one allocation that s->h owns: NO_MEMORY
+ * where it fails. */
+static int scratch(const forge_dims *dims, int64_t T, forge_scratch *s) {
+    const int64_t D = dims->hidden, H = dims->heads, Hkv = dims->kv_heads, hd = dims->head_dim;
+    const int64_t F = dims->intermediate, Nqkv = (H + 2 * Hkv) * hd;
+    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(T * (D + Nqkv + H * hd + 3 * F)));
+    *s = (forge_scratch){h, h + T * D, h + T * (D + Nqkv), h + T * (D + Nqkv + H * hd),
+                         h + T * (D + Nqkv + H * hd + 2 * F)};
+    return h ? OK : NO_MEMORY;
+}
+
 /* Every layer over a run of rows, kernels on `threads` threads. With `sync` (runs of one step on
  * the threads of a team, a prefill chunk split between them), the team meets at a barrier after
  * each layer's cache writes: a piece of a chunk attends to the keys and values of the pieces
  * before it. Every thread then passes every barrier, on an error too. */
 static int run_layers(const forge_layer *layers, int64_t count, const forge_dims *dims, const forge_run *r,
                       int64_t width, const forge_lora_rows *lora, int64_t adapters, int threads, int sync) {
-    const int64_t D = dims->hidden, H = dims->heads, Hkv = dims->kv_heads, hd = dims->head_dim;
-    const int64_t F = dims->intermediate, Nqkv = (H + 2 * Hkv) * hd, T = r->T;
-    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(T * (D + Nqkv + H * hd + 3 * F)));
-    int status = h ? OK : NO_MEMORY;
-    const forge_scratch s = {h, h + T * D, h + T * (D + Nqkv), h + T * (D + Nqkv + H * hd),
-                             h + T * (D + Nqkv + H * hd + 2 * F)};
+    forge_scratch s;
+    int status = scratch(dims, r->T, &s);
     for (int64_t l = 0; l < count && (sync || status == OK); l++) {
         if (status == OK) status = layer_in(layers + l, l, dims, r, &s, lora, adapters, threads);
         if (sync) {
@@ -212,7 +219,7 @@ static int run_layers(const forge_layer *layers, int64_t count, const forge_dims
         }
         if (status == OK) status = layer_out(layers + l, l, dims, r, width, &s, lora, adapters, threads);
     }
-    free(h);
+    free(s.h);
     return status;
 }
 
@@ -261,14 +268,10 @@ static int halve(forge_run *r, int64_t width, int64_t hd, int64_t D, forge_run *
  * an idle thread at a layer boundary where one waits. */
 static int run_sharing(const forge_layer *layers, int64_t count, const forge_dims *dims, forge_run r, int64_t from,
                        int64_t width, forge_handoffs *share) {
-    const int64_t D = dims->hidden, H = dims->heads, Hkv = dims->kv_heads, hd = dims->head_dim;
-    const int64_t F = dims->intermediate, Nqkv = (H + 2 * Hkv) * hd, T = r.T;
-    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(T * (D + Nqkv + H * hd + 3 * F)));
-    if (!h) return NO_MEMORY;
-    /* sized for the run's first rows, which are at least as many as it keeps */
-    const forge_scratch s = {h, h + T * D, h + T * (D + Nqkv), h + T * (D + Nqkv + H * hd),
-                             h + T * (D + Nqkv + H * hd + 2 * F)};
-    int status = OK;
+    const int64_t D = dims->hidden, hd = dims->head_dim;
+    forge_scratch s;  /* sized for the run's first rows, which are at least as many as it keeps */
+    int status = scratch(dims, r.T, &s);
+    if (status != OK) return status;
     if (share->stall_s > 0 && from == 0 && omp_get_thread_num() == 0) {
         const double until = omp_get_wtime() + share->stall_s;
         while (omp_get_wtime() < until) _mm_pause();
@@ -293,7 +296,7 @@ static int run_sharing(const forge_layer *layers, int64_t count, const forge_dim
         status = layer_in(layers + l, l, dims, &r, &s, NULL, 0, 1);
         if (status == OK) status = layer_out(layers + l, l, dims, &r, width, &s, NULL, 0, 1);
     }
-    free(h);
+    free(s.h);
     return status;
 }
 
