@@ -1,0 +1,108 @@
+"""Two builds of the native CPU kernels, A/B in one process: engine steps alternate between them.
+
+This machine's speed drifts by 10-20% between runs of a process (another tenant's memory traffic),
+which hides a kernel change of a few percent when each build runs in a process of its own. Here
+both builds serve one engine, step by step in turn (A, B, A, ...), on the same requests and caches,
+so the drift falls on both alike: the same build against itself stays within ~3%. Each build is
+the native/cpu sources at a git revision (or the working tree); a build's kernels change no result,
+only how fast they run, or the two would part ways (they must give the same bits anyway).
+
+    python bench/kernel_ab.py --a HEAD~1 --b HEAD --batch 8,9,12,16
+    python bench/kernel_ab.py --a HEAD --b worktree --batch 1,8,32
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.common import machine, table, write_json  # noqa: E402
+
+
+def sources_at(revision: str, into: Path) -> list[Path]:
+    """The native CPU sources at `revision` ("worktree": as they are on disk), written under `into`."""
+    from forge_service.backends import cpu_kernels
+
+    paths = []
+    for source in cpu_kernels.SOURCES:
+        relative = source.relative_to(ROOT)
+        if revision == "worktree":
+            text = source.read_text()
+        else:
+            text = subprocess.run(["git", "show", f"{revision}:{relative}"], cwd=ROOT, capture_output=True,
+                                  text=True, check=True).stdout
+        path = into / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        paths.append(path)
+    return paths
+
+
+def build(sources: list[Path]) -> ctypes.CDLL:
+    """The kernels built from `sources` with this CPU's flags (cached by content, as the engine's)."""
+    from forge_service.backends import cpu_kernels
+
+    saved = cpu_kernels.SOURCES
+    cpu_kernels.SOURCES = sources
+    try:
+        return cpu_kernels.declare(ctypes.CDLL(str(cpu_kernels._build(cpu_kernels.build_flags()))))
+    finally:
+        cpu_kernels.SOURCES = saved
+
+
+def alternate(libraries: dict[str, ctypes.CDLL], batches: list[int], tokens: int) -> list[dict[str, Any]]:
+    """Median step (ms) under each build at each batch of greedy decodes (distinct 20-token prompts)."""
+    from forge_service.backends import cpu_kernels
+    from forge_service.engine.request import SamplingParams
+    from forge_service.llm import LLM
+
+    current = ["A"]
+    cpu_kernels.library = lambda: libraries[current[0]]  # what the engine's kernels call, step by step
+    engine = LLM(enable_prefix_caching=False).engine
+    rows = []
+    for batch in batches:
+        for i in range(batch):
+            engine.add_request(f"b{batch}-{i}", [1000 + 37 * i + j for j in range(20)],
+                               SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+        engine.step()  # the prefill
+        times: dict[str, list[float]] = {"A": [], "B": []}
+        step = 0
+        while engine.has_unfinished_requests():
+            current[0] = "AB"[step % 2]
+            step += 1
+            start = time.perf_counter()
+            engine.step()
+            times[current[0]].append(time.perf_counter() - start)
+        a, b = (statistics.median(times[k][3:-3]) * 1000 for k in "AB")
+        rows.append({"batch": batch, "a_ms": round(a, 2), "b_ms": round(b, 2), "b_over_a": round(b / a, 3)})
+        print(table(rows[-1:], list(rows[-1])), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--a", default="HEAD", help="a git revision, or 'worktree' (default: HEAD)")
+    parser.add_argument("--b", default="worktree", help="a git revision, or 'worktree' (default: worktree)")
+    parser.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16, 32])
+    parser.add_argument("--tokens", type=int, default=160, help="tokens each request decodes (steps per batch)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        libraries = {name: build(sources_at(revision, Path(tmp) / name))
+                     for name, revision in (("A", args.a), ("B", args.b))}
+    rows = alternate(libraries, args.batch, args.tokens)
+    print(table(rows, ["batch", "a_ms", "b_ms", "b_over_a"]))
+    path = write_json("kernel_ab.json", {"machine": machine(), "args": vars(args), "rows": rows})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
