@@ -29,7 +29,15 @@
 #include <string.h>
 #include <immintrin.h>
 
-#define SPLIT_ROWS 8  /* rows a thread takes at least, where a step is split by rows */
+/* Rows a thread takes at least, where a step is split by rows; and a step is split only past one
+ * block of the GEMMs' rows (GEMM_ROWS, quant_gemm.c's ROWS). By weight tiles, a step of 9 to 15 rows
+ * runs each tile's 8-row block and then a short one, which costs far more than its rows; by rows,
+ * each thread runs one block of its own. In process on the 2-vCPU Zen 4 (bench/kernel_ab.py: steps
+ * alternating between builds in one process), against 8 rows a thread: 9 / 10-15 rows 11% / 5-15%
+ * faster a step; 8 rows split 4 + 4 gained or lost up to 7% as the machine's memory traffic varied,
+ * and 6 and 7 rows split 3 + 3 and 3 + 4 lost 4% and 7% (each thread reads every weight). */
+#define SPLIT_ROWS 4
+#define GEMM_ROWS 8
 #define MAX_SPLIT 4   /* the most threads a step is split between by rows (with more, by weight tiles) */
 #define HANDOFF_ROWS 4  /* the fewest rows a run hands off to an idle thread, and keeps */
 #define MAX_HANDOFFS 64  /* runs a step's threads hand each other at most */
@@ -349,7 +357,7 @@ static int share_rows(const forge_layer *layers, int64_t count, const forge_dims
 int64_t forge_split_rows(int64_t T, int64_t decodes, const int64_t *tables, int64_t width, const int32_t *lens,
                          int64_t chunks, const int64_t *chunk, double row_keys, int threads, int64_t *bounds) {
     const int64_t parts = threads;  /* each thread runs its kernels alone */
-    if (parts < 2 || parts > MAX_SPLIT || T < SPLIT_ROWS * parts) return 1;
+    if (parts < 2 || parts > MAX_SPLIT || T < SPLIT_ROWS * parts || T <= GEMM_ROWS) return 1;
     double *cost = malloc(sizeof(double) * (size_t)(T + 1));  /* cost[r]: rows 0 .. r - 1's */
     if (!cost) return 1;
     cost[0] = 0.0;

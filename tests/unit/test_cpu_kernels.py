@@ -516,15 +516,17 @@ def _sequences(rows: list[int]) -> tuple[list[int], list[list[int]]]:
 def test_a_step_splits_by_rows_between_threads_between_sequences_and_in_chunks() -> None:
     assert _split(*_sequences([1] * 16), threads=2) == [0, 8, 16]
     assert _split(*_sequences([1] * 17), threads=2) == [0, 9, 17]  # the nearer to even cost
-    assert _split(*_sequences([1] * 15), threads=2) == []  # fewer than 8 rows a thread: by weight tiles
+    assert _split(*_sequences([1] * 9), threads=2) == [0, 5, 9]  # past one GEMM block of 8 rows, 4 or more a thread
+    assert _split(*_sequences([1] * 8), threads=2) == []  # one block: by weight tiles
     assert _split(*_sequences([1] * 32), threads=1) == []
     assert _split(*_sequences([1] * 40), threads=4) == [0, 10, 20, 30, 40]
     assert _split(*_sequences([1] * 40), threads=16) == []  # many threads: by weight tiles
     # A drafted sequence's rows (9 .. 12) read each other's keys: the split falls beside them,
-    # at the nearest sequence start that leaves each side 8 rows.
+    # at the nearest sequence start that leaves each side 4 rows.
     assert _split(*_sequences([1] * 9 + [4] + [1] * 7), threads=2) == [0, 9, 20]
     assert _split(*_sequences([1] * 8 + [3] + [1] * 9), threads=2) == [0, 11, 20]
-    assert _split(*_sequences([1] * 4 + [9] + [1] * 4), threads=2) == []  # no such start
+    assert _split(*_sequences([1] * 3 + [11] + [1] * 3), threads=2) == []  # no such start
+    assert _split(*_sequences([1] * 4 + [9] + [1] * 4), threads=2) == [0, 13, 17]  # the nearer of 4 and 13
     # Rows of one table with lengths one apart are one sequence; otherwise each its own.
     assert _split([5] * 16, [[1, 0]] * 16, threads=2) == [0, 8, 16]
     assert _split(list(range(5, 21)), [[1, 0]] * 16, threads=2) == []
@@ -534,6 +536,6 @@ def test_a_step_splits_by_rows_between_threads_between_sequences_and_in_chunks()
     # A chunk splits anywhere: 7 decode rows and a chunk of 121 rows, the first of a 121-token prompt.
     # Its later rows attend to more keys, so the first thread takes more rows.
     bounds = _split(*_sequences([1] * 7), threads=2, chunks=((121, 121),))
-    assert len(bounds) == 3 and 128 // 2 < bounds[1] < 128 - 8
+    assert len(bounds) == 3 and 128 // 2 < bounds[1] < 128 - 4
     assert _split([], [], threads=2, chunks=((8, 8), (8, 100))) == [0, 8, 16]  # between chunks
-    assert _split([], [], threads=2, chunks=((15, 15),)) == []
+    assert _split([], [], threads=2, chunks=((7, 7),)) == []
