@@ -284,11 +284,15 @@ static inline __attribute__((always_inline)) void tile_rows(int q4, int64_t t, c
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
         const int64_t rows = M - m0 < ROWS ? M - m0 : ROWS, b = m0 / ROWS;
         const uint8_t *rows_need = need + b * groups;
-        /* The last block's pass fetches the next tile group by group: the hardware prefetcher, left
-         * alone, has no weights in flight while a tile's other blocks compute, and a decode step's
-         * 60 MB of weights come from memory (30 layers' weights cycled: 9 / 16 / 32 rows 4.2 / 5.6 /
-         * 8.9 -> 3.4 / 4.2 / 7.1 ms; a 32-row decode step 20-21.6 -> 16.7-17.3 ms). */
-        const uint8_t *ahead = m0 + ROWS >= M && t + 1 < N / TILE ? codes + (t + 1) * tile_bytes : NULL;
+        /* The last full block's pass (or the only block's) fetches the next tile group by group: the
+         * hardware prefetcher, left alone, has no weights in flight while a tile's other blocks
+         * compute, and a decode step's 60 MB of weights come from memory (30 layers' weights cycled:
+         * 9 / 16 / 32 rows 4.2 / 5.6 / 8.9 -> 3.4 / 4.2 / 7.1 ms; a 32-row decode step 20-21.6 ->
+         * 16.7-17.3 ms). Not a last, short block's: its few rows' pass is too short to hide the fetch
+         * (bench/kernel_ab.py, fused steps of 18 / 20 / 26 / 34 / 50 rows, 9 to 25 a thread: 0.90 /
+         * 0.90 / 0.96 / 0.93 / 0.94 of the step; 16 / 32 / 64 rows unchanged). */
+        const int64_t fetching = M < ROWS ? 0 : M / ROWS - 1;
+        const uint8_t *ahead = b == fetching && t + 1 < N / TILE ? codes + (t + 1) * tile_bytes : NULL;
 #define TILE_CASE(R)                                                                                   \
     if (unpacked)                                                                                      \
         tile(q4, 1, w, d, o, a, a_fine, xd, xs, xo, rows_need, K, b, R, y, ahead);                     \
