@@ -9,6 +9,7 @@ only how fast they run, or the two would part ways (they must give the same bits
 
     python bench/kernel_ab.py --a HEAD~1 --b HEAD --batch 8,9,12,16
     python bench/kernel_ab.py --a HEAD --b worktree --batch 1,8,32
+    python bench/kernel_ab.py --a HEAD~1 --b HEAD --prefill 500 --rounds 10
 """
 from __future__ import annotations
 
@@ -87,18 +88,49 @@ def alternate(libraries: dict[str, ctypes.CDLL], batches: list[int], tokens: int
     return rows
 
 
+def alternate_prefills(libraries: dict[str, ctypes.CDLL], tokens: int, rounds: int) -> dict[str, Any]:
+    """Median time (ms) of a `tokens`-token prompt's prefill under each build: distinct random
+    prompts, one a step (tokens <= the step budget), the builds taking turns."""
+    from forge_service.backends import cpu_kernels
+    from forge_service.engine.request import SamplingParams
+    from forge_service.llm import LLM
+
+    current = ["A"]
+    cpu_kernels.library = lambda: libraries[current[0]]
+    engine = LLM(enable_prefix_caching=False, max_num_batched_tokens=max(512, tokens)).engine
+    times: dict[str, list[float]] = {"A": [], "B": []}
+    for n in range(2 * rounds + 2):
+        current[0] = "AB"[n % 2]
+        engine.add_request(f"p{n}", [1000 + (7919 * (n * tokens + j)) % 40000 for j in range(tokens)],
+                           SamplingParams(temperature=0, max_tokens=1))
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        if n >= 2:  # the first of each warms up
+            times[current[0]].append(time.perf_counter() - start)
+    a, b = (statistics.median(times[k]) * 1000 for k in "AB")
+    return {"prefill_tokens": tokens, "a_ms": round(a, 1), "b_ms": round(b, 1), "b_over_a": round(b / a, 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--a", default="HEAD", help="a git revision, or 'worktree' (default: HEAD)")
     parser.add_argument("--b", default="worktree", help="a git revision, or 'worktree' (default: worktree)")
     parser.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16, 32])
     parser.add_argument("--tokens", type=int, default=160, help="tokens each request decodes (steps per batch)")
+    parser.add_argument("--prefill", type=int, default=0,
+                        help="instead: prefills of prompts this long, --rounds of them under each build")
+    parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         libraries = {name: build(sources_at(revision, Path(tmp) / name))
                      for name, revision in (("A", args.a), ("B", args.b))}
-    rows = alternate(libraries, args.batch, args.tokens)
-    print(table(rows, ["batch", "a_ms", "b_ms", "b_over_a"]))
+    if args.prefill:
+        rows = [alternate_prefills(libraries, args.prefill, args.rounds)]
+        print(table(rows, list(rows[0])))
+    else:
+        rows = alternate(libraries, args.batch, args.tokens)
+        print(table(rows, ["batch", "a_ms", "b_ms", "b_over_a"]))
     path = write_json("kernel_ab.json", {"machine": machine(), "args": vars(args), "rows": rows})
     print(f"wrote {path}")
     return 0
