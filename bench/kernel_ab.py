@@ -59,14 +59,21 @@ def build(sources: list[Path]) -> ctypes.CDLL:
         cpu_kernels.SOURCES = saved
 
 
+def switch_builds(libraries: dict[str, ctypes.CDLL]) -> list[str]:
+    """Route the engine's kernel calls to libraries[current[0]]; returns `current`, to set per step."""
+    from forge_service.backends import cpu_kernels
+
+    current = ["A"]
+    cpu_kernels.library = lambda: libraries[current[0]]  # what every kernel call looks up
+    return current
+
+
 def alternate(libraries: dict[str, ctypes.CDLL], batches: list[int], tokens: int) -> list[dict[str, Any]]:
     """Median step (ms) under each build at each batch of greedy decodes (distinct 20-token prompts)."""
-    from forge_service.backends import cpu_kernels
     from forge_service.engine.request import SamplingParams
     from forge_service.llm import LLM
 
-    current = ["A"]
-    cpu_kernels.library = lambda: libraries[current[0]]  # what the engine's kernels call, step by step
+    current = switch_builds(libraries)
     engine = LLM(enable_prefix_caching=False).engine
     rows = []
     for batch in batches:
@@ -91,12 +98,10 @@ def alternate(libraries: dict[str, ctypes.CDLL], batches: list[int], tokens: int
 def alternate_prefills(libraries: dict[str, ctypes.CDLL], tokens: int, rounds: int) -> dict[str, Any]:
     """Median time (ms) of a `tokens`-token prompt's prefill under each build: distinct random
     prompts, one a step (tokens <= the step budget), the builds taking turns."""
-    from forge_service.backends import cpu_kernels
     from forge_service.engine.request import SamplingParams
     from forge_service.llm import LLM
 
-    current = ["A"]
-    cpu_kernels.library = lambda: libraries[current[0]]
+    current = switch_builds(libraries)
     engine = LLM(enable_prefix_caching=False, max_num_batched_tokens=max(512, tokens)).engine
     times: dict[str, list[float]] = {"A": [], "B": []}
     for n in range(2 * rounds + 2):
