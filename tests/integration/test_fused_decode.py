@@ -116,7 +116,7 @@ def _drafting(count: int) -> tuple[LLM, list, list[list[int]]]:
 
 
 def test_steps_split_by_rows_between_threads_get_the_per_kernel_path_s_bits(two_threads):
-    # Decode steps of 16 rows and more run on 2 threads split by rows (native/cpu/decode.c,
+    # Decode steps of more than 8 rows run on 2 threads split by rows (native/cpu/decode.c,
     # forge_split_rows), with drafts: a drafted sequence's rows stay on one thread.
     llm, steps, prompts = _drafting(24)
     model = llm.engine.runner.model
@@ -157,7 +157,7 @@ def test_a_thread_held_back_hands_rows_to_the_idle_one_with_the_same_bits(two_th
 
 
 def test_steps_with_prefill_chunks_split_by_rows_get_the_per_kernel_path_s_bits(fidelity_prompt_ids, two_threads):
-    # Steps of 16 rows and more that carry prefill chunks split between 2 threads by rows, a chunk
+    # Steps of more than 8 rows that carry prefill chunks split between 2 threads by rows, a chunk
     # into pieces on both (their threads meet after each layer's cache writes).
     llm = LLM(dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=40)
     model = llm.engine.runner.model
