@@ -86,3 +86,12 @@ def test_an_unknown_instantiation_fails(native_copy: Path, tmp_path: Path):
     program = Program("norm.cu", "sm_90", ("forge::rms_norm_kernel<float, double, 256>",))
     with pytest.raises(CudaError, match="norm.cu"):
         Compiler(cache_dir=None, native_dir=native_copy).compile(program)
+
+
+def test_a_cache_that_cannot_be_written_leaves_the_compiled_module_usable(native_copy: Path, tmp_path: Path,
+                                                                            caplog: pytest.LogCaptureFixture):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # the cache directory would have to be made inside a file
+    module = Compiler(cache_dir=blocked / "cache", native_dir=native_copy).compile(small_program())
+    assert module.image.startswith(ELF_MAGIC)
+    assert "cannot be cached" in caplog.text

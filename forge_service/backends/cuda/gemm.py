@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from forge_service.backends.cuda.nvrtc import write_atomically
+
 log = logging.getLogger("forge.cuda.gemm")
 
 TABLE_DIR = Path.home() / ".cache" / "forge" / "gemm"
@@ -103,8 +105,8 @@ class GemmTuner:
         self.device = device
         self.cutlass = CutlassGemm() if use_cutlass else None
         name = torch.cuda.get_device_name(device).replace(" ", "_")
-        self.path = None if table_dir is None else table_dir / f"{name}.json"
-        self.table: dict[tuple[int, int, int, str], Choice] = self._read()
+        self.store = None if table_dir is None else TableFile(table_dir / f"{name}.json")
+        self.table: dict[tuple[int, int, int, str], Choice] = {} if self.store is None else self.store.read()
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # x: [M, K], w: [N, K] -> [M, N]
@@ -120,7 +122,7 @@ class GemmTuner:
         return F.linear(x, w)
 
     def rows(self) -> list[dict]:
-        return [asdict(c) for c in sorted(self.table.values(), key=lambda c: (c.n, c.k, c.m))]
+        return table_rows(self.table)
 
     def _tune(self, key: tuple[int, int, int, str], w: torch.Tensor) -> Choice:
         m, n, k, dtype = key
@@ -135,7 +137,8 @@ class GemmTuner:
         log.info("gemm %dx%dx%d %s: %s (cuBLAS %.3f ms, CUTLASS %s) %s", m, n, k, dtype, choice.winner,
                  choice.cublas_ms, "-" if choice.cutlass_ms is None else f"{choice.cutlass_ms:.3f} ms", choice.note)
         self.table[key] = choice
-        self._write()
+        if self.store is not None:
+            self.store.save(self.table)
         return choice
 
     def _try_cutlass(self, choice: Choice, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -154,22 +157,36 @@ class GemmTuner:
         if choice.cutlass_ms < choice.cublas_ms:
             choice.winner = "cutlass"
 
-    def _read(self) -> dict[tuple[int, int, int, str], Choice]:
-        if self.path is None or not self.path.is_file():
-            return {}
+
+class TableFile:
+    """The autotune table on disk, shared by every process on the host that tunes the same GPU model
+    (engines of one node, test workers): each save merges the rows already there, so no process's
+    choices are lost to another's, and replaces the file atomically. It is a cache: a table that
+    cannot be read is empty, and one that cannot be written is logged and left (tuning happens again)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def read(self) -> dict[tuple[int, int, int, str], Choice]:
         try:
             rows = [Choice(**r) for r in json.loads(self.path.read_text())]
         except (OSError, ValueError, TypeError):
             return {}
         return {(c.m, c.n, c.k, c.dtype): c for c in rows}
 
-    def _write(self) -> None:
-        if self.path is None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.rows(), indent=1))
-        tmp.replace(self.path)
+    def save(self, table: dict[tuple[int, int, int, str], Choice]) -> None:
+        rows = table_rows({**self.read(), **table})
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(self.path, json.dumps(rows, indent=1).encode())
+        except OSError as e:
+            log.warning("the GEMM autotune table cannot be written to %s (%s); shapes are tuned again next start",
+                        self.path, e)
+
+
+def table_rows(table: dict[tuple[int, int, int, str], Choice]) -> list[dict]:
+    """The table's choices as plain rows, by shape."""
+    return [asdict(c) for c in sorted(table.values(), key=lambda c: (c.n, c.k, c.m))]
 
 
 def time_ms(fn: Callable[[], object], warmup: int = WARMUP, repeats: int = REPEATS) -> float:

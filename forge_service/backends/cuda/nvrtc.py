@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from pathlib import Path
 
 from forge_service.backends.cuda.driver import bindings, check
 from forge_service.errors import CudaError, DeviceUnavailable
+
+log = logging.getLogger("forge.cuda.nvrtc")
 
 NATIVE_DIR = Path(__file__).resolve().parents[3] / "native"
 CACHE_DIR = Path.home() / ".cache" / "forge" / "nvrtc"
@@ -111,10 +114,13 @@ class Compiler:
     def _store(self, key: str, module: Module) -> None:
         if self.cache_dir is None:
             return
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
         image_path, symbols_path = self._paths(key)
-        _write_atomically(image_path, module.image)
-        _write_atomically(symbols_path, json.dumps(module.symbols).encode())
+        try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            write_atomically(image_path, module.image)
+            write_atomically(symbols_path, json.dumps(module.symbols).encode())
+        except OSError as e:  # a cache: the module is compiled again next start
+            log.warning("the compiled kernel cannot be cached in %s (%s)", self.cache_dir, e)
 
 
 def nvrtc_version() -> tuple[int, int]:
@@ -192,7 +198,9 @@ def _lowered(nvrtc, prog, name: str) -> str:
     return symbol.decode() if isinstance(symbol, bytes) else str(symbol)
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
+    """Writes `data` to `path` through a temporary file of its own, renamed over it: a reader sees the
+    old file or the new, and processes writing the same path at once never take each other's file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
