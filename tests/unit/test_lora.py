@@ -115,32 +115,25 @@ def test_bf16_tokens_do_not_depend_on_the_adapters_beside_them(coded: tuple[str,
     llm = LLM(model=path, dtype="bfloat16", lora_modules=adapters_spec, enable_prefix_caching=False,
               max_num_batched_tokens=24)  # prefill chunks beside decodes
     assert llm.engine.model.decode_plan is not None  # what a step without adapted rows runs
-    together = adapted_rows_stand_alone(llm)
+    prompts = [PROMPT, PROMPT[5:], PROMPT[:20], PROMPT]
+    adapters = [None, "a", "b", "a"]
+
+    def params(adapter):
+        return SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0, adapter=adapter)
+
+    def answers(outputs) -> list:
+        return [(o.token_ids, [p[0].logprob for p in o.logprobs]) for o in outputs]
+
+    alone = [llm.generate([p], params(a))[0].outputs[0] for p, a in zip(prompts, adapters)]
+    together = answers(o.outputs[0] for o in llm.generate(prompts, [params(a) for a in adapters]))
+    assert answers(alone) == together
     plan, llm.engine.model.decode_plan = llm.engine.model.decode_plan, None  # kernel by kernel: the same bits
-    assert _answers(llm, ADAPTED) == together
+    assert answers(o.outputs[0] for o in llm.generate(prompts, [params(a) for a in adapters])) == together
     llm.engine.model.decode_plan = plan
-
-
-ADAPTED = [(PROMPT, None), (PROMPT[5:], "a"), (PROMPT[:20], "b"), (PROMPT, "a")]  # (prompt, adapter)
-
-
-def _answers(llm: LLM, requests: list[tuple[list[int], str | None]]) -> list:
-    """Greedy tokens and their logprobs for `requests` in one batch."""
-    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0, adapter=a) for _, a in requests]
-    outputs = [o.outputs[0] for o in llm.generate([p for p, _ in requests], params)]
-    return [(o.token_ids, [p[0].logprob for p in o.logprobs]) for o in outputs]
-
-
-def adapted_rows_stand_alone(llm: LLM) -> list:
-    """Asserts that ADAPTED's requests answer the same alone and in one batch (prefill chunks beside
-    decodes, where llm's token budget is small), and that the base model and the adapters answer
-    differently; returns the batch's answers."""
-    alone = [answer for request in ADAPTED for answer in _answers(llm, [request])]
-    together = _answers(llm, ADAPTED)
-    assert alone == together
-    b_alone = _answers(llm, [(PROMPT, "b")])[0]
-    assert len({tuple(alone[0][0]), tuple(alone[3][0]), tuple(b_alone[0])}) == 3
-    return together
+    # the adapters answer otherwise than the base model and than each other
+    assert len({tuple(alone[0].token_ids), tuple(alone[3].token_ids)}) == 2
+    b_alone = llm.generate([PROMPT], params("b"))[0].outputs[0].token_ids
+    assert len({tuple(alone[0].token_ids), tuple(alone[3].token_ids), tuple(b_alone)}) == 3
 
 
 def test_the_prefix_cache_keeps_adapters_and_the_base_model_apart(coded: tuple[str, str]) -> None:
