@@ -155,9 +155,10 @@ def _first_line(error: Exception) -> str:
 def check_request(body: ChatCompletionRequest | CompletionRequest, config: GatewayConfig) -> None:
     """Raise a 400 GatewayError when the request asks for more than the configured bounds."""
     prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
+    messages = len(body.messages) if isinstance(body, ChatCompletionRequest) else 0  # elsewhere an unknown field
     bounds = [
         ("prompt", prompts, config.max_prompts, "prompts in one request"),
-        ("messages", len(getattr(body, "messages", ())), config.max_messages, "messages"),
+        ("messages", messages, config.max_messages, "messages"),
         ("stop", len(body.stop_list), config.max_stop, "stop strings"),
         ("stop_token_ids", len(body.stop_token_ids or ()), config.max_stop, "stop token ids"),
         ("stop", max(map(len, body.stop_list), default=0), config.max_stop_chars, "characters in a stop string"),

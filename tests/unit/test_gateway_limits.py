@@ -287,6 +287,14 @@ def test_requests_at_the_limits_pass(http: httpx.Client, fake: LimitsFake) -> No
     assert len(fake.requests) == 3
 
 
+@pytest.mark.parametrize("messages", [-2**63, "x", [MESSAGE] * 9])
+def test_a_completion_s_messages_field_is_an_unknown_field(http: httpx.Client, fake: LimitsFake, messages) -> None:
+    # completions take no messages: the field is ignored as other unknown fields are (it was
+    # counted against the chat bound, and a number there was a 500)
+    assert http.post("/v1/completions", json={"model": "m", "prompt": "p", "messages": messages}).status_code == 200
+    assert len(fake.requests) == 1
+
+
 @pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "-1", "0", "abc", "1e999"])
 def test_request_timeout_must_be_a_positive_finite_number(http: httpx.Client, fake: LimitsFake, value: str) -> None:
     response = http.post("/v1/chat/completions", json=chat_body(), headers={"X-Request-Timeout": value})
