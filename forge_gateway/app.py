@@ -269,7 +269,10 @@ async def _embeddings(request: Request, body: embeddings.EmbeddingRequest, confi
 
 
 async def _tokenize(request: Request, body: tokens.TokenizeRequest) -> Response:
-    message = tokens.tokenize_request(body, _ids(request, "tok")[0])
+    try:  # the body is checked again as the generation route's request (an empty prompt, say)
+        message = tokens.tokenize_request(body, _ids(request, "tok")[0])
+    except ValidationError as error:
+        raise validation_error(error.errors()) from None
     response = await _stub(request).Tokenize(message, timeout=60)
     return JSONResponse(tokens.tokenize_response(response))
 

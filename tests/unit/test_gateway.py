@@ -578,6 +578,9 @@ def test_tokenize_and_detokenize(http: httpx.Client, fake: FakeForge) -> None:
                  {"model": "m", "prompt": "x", "add_special_tokens": False},
                  {"model": "m", "prompt": "x", "tools": [tool]}):
         assert http.post("/tokenize", json=body).status_code == 400, body
+    for body in ({"model": "m", "prompt": []}, {"model": "m", "messages": []}):  # refused as the generation routes do
+        refused = http.post("/tokenize", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error", body
 
 
 def _completion(**fields: Any) -> CompletionRequest:
