@@ -20,6 +20,7 @@ request gets from one forward pass.
 
     python bench/speculative.py --concurrency 1,16 --rounds 3
     python bench/speculative.py --step-rows 1,2,4,8,16,24,32   # the step cost per row
+    python bench/speculative.py --draft-steps 4,12             # drafting on and off, in process
 """
 from __future__ import annotations
 
@@ -193,6 +194,48 @@ def step_rows(counts: list[int], llm: Any = None) -> list[dict[str, Any]]:
     return rows
 
 
+def draft_steps(counts: list[int], rounds: int = 40, steps: int = 8) -> list[dict[str, Any]]:
+    """In process, M greedy streams on long repetitive text (ignore_eos), in two engines, one drafting
+    and one not, their steps alternated `steps` at a time for `rounds` rounds: output tok/s of each
+    over its own steps, and the drafting engine's acceptance and median step. Where drafted rows pay
+    for themselves, at each M, without a server's noise between the two."""
+    from forge_service import LLM, SamplingParams
+
+    engines = {mode: LLM(speculative=mode, enable_prefix_caching=False).engine for mode in ("off", "ngram")}
+    prompt = engines["off"].tokenizer.encode_chat([{"role": "user", "content": OPEN[0]}])
+    rows = []
+    for m in counts:
+        tokens = dict.fromkeys(engines, 0)
+        times: dict[str, list[float]] = {mode: [] for mode in engines}
+        drafted = accepted = 0
+        for mode, engine in engines.items():
+            for i in range(m):
+                engine.add_request(f"d{m}-{i}", [i + 5, *prompt], SamplingParams(
+                    temperature=0, max_tokens=rounds * steps * 9 + 100, ignore_eos=True))
+            for _ in range(5):  # prefills
+                engine.step()
+        for _ in range(rounds):
+            for mode, engine in engines.items():
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    outputs = engine.step()
+                    times[mode].append(time.perf_counter() - start)
+                    tokens[mode] += sum(len(o.outputs[0].token_ids) for o in outputs)
+        for mode, engine in engines.items():
+            for request in list(engine.scheduler.running):
+                if mode == "ngram":
+                    drafted += request.num_drafted_tokens
+                    accepted += request.num_accepted_tokens
+                engine.abort_request(request.parent_id)
+        off, on = (tokens[mode] / sum(times[mode]) for mode in ("off", "ngram"))
+        rows.append({"streams": m, "off_tok_s": round(off, 1), "on_tok_s": round(on, 1), "ratio": round(on / off, 3),
+                     "acceptance": round(accepted / drafted, 3) if drafted else None,
+                     "off_step_ms": round(statistics.median(times["off"]) * 1000, 2),
+                     "on_step_ms": round(statistics.median(times["ngram"]) * 1000, 2)})
+    print(table(rows, list(rows[0])))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
@@ -203,12 +246,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", type=lambda s: s.split(","), default=["grounded", "open", "predicted"])
     parser.add_argument("--step-rows", type=lambda s: [int(x) for x in s.split(",")], default=None,
                         help="instead: time engine steps at these row counts, e.g. 1,2,4,8,16,24,32")
+    parser.add_argument("--draft-steps", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                        help="instead: drafting on and off in process at these stream counts, e.g. 4,12")
     args = parser.parse_args(argv)
     unknown = set(args.workloads) - {*WORKLOADS, "predicted"}
     if unknown:
         parser.error(f"unknown workloads {sorted(unknown)}; known: {', '.join(WORKLOADS)}, predicted")
     if args.step_rows:
         step_rows(args.step_rows)
+        return 0
+    if args.draft_steps:
+        draft_steps(args.draft_steps)
         return 0
 
     from bench.observability_overhead import forge_serve

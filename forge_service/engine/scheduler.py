@@ -214,14 +214,17 @@ class Scheduler:
         and a drafted one, costing one row, pays when it is kept with probability M / (base + M):
         drafting is nearly free for one stream and worth it only on near-certain drafts for many.
         Where the backend takes rows in blocks (row_block), a row that opens a block costs that
-        block's pass over the weights, not one row: drafts only fill the last block's free rows."""
+        block's pass over the weights, not one row: drafts only fill the free rows of a step's one
+        block. A step of more blocks is split between the threads by rows, where every row costs
+        its own compute, about a decode's, so such steps draft nothing (at 12 decodes on the CPU,
+        drafts filling a second block lost even at 99% accepted: bench/speculative.py --draft-steps)."""
         if self.proposer is None:
             return 0, 0.0
         room = self.speculative.spec_max_step_tokens
         if self.max_decode_rows is not None:
             room = min(room, max(0, self.max_decode_rows - decodes))
         if self.row_block > 1:
-            room = min(room, -decodes % self.row_block)
+            room = min(room, max(0, self.row_block - decodes))
         return room, decodes / (self.speculative.spec_step_base_rows + decodes) if decodes else 0.0
 
     def _draft(self, request: Request, limit: int, worth: float, block_ids: list[int]) -> tuple[list[int], list[int]]:
