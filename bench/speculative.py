@@ -195,10 +195,10 @@ def step_rows(counts: list[int], llm: Any = None) -> list[dict[str, Any]]:
 
 
 def draft_steps(counts: list[int], rounds: int = 40, steps: int = 8) -> list[dict[str, Any]]:
-    """In process, M greedy streams on long repetitive text (ignore_eos), in two engines, one drafting
-    and one not, their steps alternated `steps` at a time for `rounds` rounds: output tok/s of each
-    over its own steps, and the drafting engine's acceptance and median step. Where drafted rows pay
-    for themselves, at each M, without a server's noise between the two."""
+    """In process, M greedy streams on long text (ignore_eos; a small model's long answers repeat),
+    in two engines, one drafting and one not, their steps alternated `steps` at a time for `rounds`
+    rounds: output tok/s of each over its own steps, and the drafting engine's acceptance and median
+    step. Where drafted rows pay for themselves, at each M, without a server's noise between the two."""
     from forge_service import LLM, SamplingParams
 
     engines = {mode: LLM(speculative=mode, enable_prefix_caching=False).engine for mode in ("off", "ngram")}
@@ -210,8 +210,8 @@ def draft_steps(counts: list[int], rounds: int = 40, steps: int = 8) -> list[dic
         drafted = accepted = 0
         for mode, engine in engines.items():
             for i in range(m):
-                engine.add_request(f"d{m}-{i}", [i + 5, *prompt], SamplingParams(
-                    temperature=0, max_tokens=rounds * steps * 9 + 100, ignore_eos=True))
+                engine.add_request(f"d{m}-{i}", [i + 5, *prompt], SamplingParams(  # no stream ends early:
+                    temperature=0, max_tokens=rounds * steps * 9 + 100, ignore_eos=True))  # <= 9 tokens a step
             for _ in range(5):  # prefills
                 engine.step()
         for _ in range(rounds):
