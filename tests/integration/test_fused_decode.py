@@ -108,6 +108,10 @@ def _drafting(count: int) -> tuple[LLM, list, list[list[int]]]:
     step's rows and the sequences among them (None for steps with prefill chunks), and `count`
     prompts."""
     llm = LLM(dtype="bfloat16", enable_prefix_caching=False, speculative="ngram", spec_step_base_rows=1000)
+    # Row blocks off in the scheduler: a server drafts no more in steps of over one block of decodes,
+    # but a step's few drafted decodes beside a prefill chunk are split by rows all the same, and here
+    # the split is reached with drafts by decodes alone.
+    llm.engine.scheduler.row_block = 1
     steps = _recorded(llm.engine.runner.model, lambda meta: None if meta.prefills else (
         meta.num_decode_tokens, len(torch.unique(meta.decode_block_tables, dim=0))))
     words = "red green blue yellow black white pink brown grey gold silver orange purple".split()
