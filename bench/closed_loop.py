@@ -43,9 +43,10 @@ class StepLog:
 
         def logged_schedule() -> Any:
             out = schedule()
+            # a decode: the request's last token (after its prompt) and the draft after it, a row each
             decodes = [c for c in out.chunks if c.start == c.request.num_tokens - 1 >= c.request.num_prompt_tokens]
-            self._scheduled = (sum(c.num_tokens for c in out.chunks) - sum(c.num_tokens for c in decodes),
-                               len(decodes))
+            rows = sum(c.num_tokens for c in decodes)
+            self._scheduled = (sum(c.num_tokens for c in out.chunks) - rows, rows)
             return out
 
         def logged_step(*args: Any, **kwargs: Any) -> Any:
