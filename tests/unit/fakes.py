@@ -7,7 +7,6 @@ types, so the async engine and the gRPC servicer can be tested without a model.
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ import httpx
 from forge_service.engine.output_types import CompletionOutput, Logprob, RequestOutput
 from forge_service.engine.request import SamplingParams
 from forge_service.errors import InvalidArgument, QueueFull
+from tests.ports import free_port  # noqa: F401 (the unit tests import it from here)
 
 EOS = 0
 
@@ -196,12 +196,6 @@ class FakeEngine:
 
 
 # ---- waiting helpers shared by the serving tests ------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def wait_ready(url: str) -> None:
     """Poll the gateway's /health until it answers 200 (10 s at most)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 VENV = Path(sys.executable).parent.parent  # the venv running the tests
@@ -33,12 +33,6 @@ SERVICE_NAME = "forge.v1.Forge"
 # OpenMP threads slow down ten-fold when more of them than cores are busy.
 SERVER_THREADS = ["--num-threads", "1"]
 LOAD_TIMEOUT_S = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
