@@ -17,7 +17,6 @@ import httpx
 from forge_service.engine.output_types import CompletionOutput, Logprob, RequestOutput
 from forge_service.engine.request import SamplingParams
 from forge_service.errors import InvalidArgument, QueueFull
-from tests.ports import free_port  # noqa: F401 (the unit tests import it from here)
 
 EOS = 0
 

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from forge_service import LLM, SamplingParams
+from tests.ports import free_port
 from tests.tiny_models import CHATML_TEMPLATE, random_weights, tiny_arch, tiny_tokenizer_json, write_safetensors_dir
-from tests.unit.fakes import free_port
 
 
 def test_generate_prints_the_offline_result(tmp_path):

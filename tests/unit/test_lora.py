@@ -258,7 +258,8 @@ def test_the_gateway_and_grpc_serve_adapters_by_model_name(coded: tuple[str, str
     from forge_service.pb import forge_pb2 as pb
     from forge_service.serve import run_all_async
     from forge_service.server import ForgeService
-    from tests.unit.fakes import free_port, wait_ready
+    from tests.ports import free_port
+    from tests.unit.fakes import wait_ready
     from tests.unit.test_server_fake_engine import code_of, run
 
     llm = LLM(model=coded[0], dtype="bfloat16", lora_modules=coded[1])

@@ -15,7 +15,8 @@ from forge_gateway.app import listen_http
 from forge_service.config import ServiceConfig
 from forge_service.serve import run_all_async
 from forge_service.server import ForgeService, Phase
-from tests.unit.fakes import FakeEngine, free_port, wait_ready
+from tests.ports import free_port
+from tests.unit.fakes import FakeEngine, wait_ready
 
 pytestmark = pytest.mark.timeout(60)
 
