@@ -97,11 +97,26 @@ def _install_error_handlers(app: FastAPI, config: GatewayConfig) -> None:
 
     async def http_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, StarletteHTTPException)
-        return GatewayError(error.status_code, str(error.detail), code=None).response(config.retry_after_s)
+        return GatewayError(error.status_code, _routing_message(request, error), code=None).response(
+            config.retry_after_s, headers=error.headers)
 
     app.add_exception_handler(GatewayError, gateway_error)
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(StarletteHTTPException, http_error)
+
+
+def _routing_message(request: Request, error: StarletteHTTPException) -> str:
+    """What a client that called a wrong URL or method needs to hear (a base URL without /v1 is
+    the usual slip): the method and path it sent, and for a wrong method the ones allowed."""
+    sent = f"{request.method} {request.url.path}"
+    if error.status_code == 404 and error.detail == "Not Found":
+        path = request.url.path
+        hint = "" if path.startswith("/v1/") else f"; the OpenAI API is served under /v1 (/v1{path})"
+        return f"invalid URL ({sent}): no such route{hint}"
+    if error.status_code == 405:
+        allowed = (error.headers or {}).get("Allow", "")
+        return f"method not allowed ({sent})" + (f"; this route takes {allowed}" if allowed else "")
+    return str(error.detail)
 
 
 def _add_routes(app: FastAPI, config: GatewayConfig) -> None:

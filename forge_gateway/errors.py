@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -48,9 +49,12 @@ class GatewayError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self, retry_after_s: int = 1) -> JSONResponse:
-        headers = {"Retry-After": str(retry_after_s)} if self.status in _RETRY_STATUSES else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def response(self, retry_after_s: int = 1, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        """The OpenAI error JSON; `headers` go with it (a 405's Allow)."""
+        headers = dict(headers or {})
+        if self.status in _RETRY_STATUSES:
+            headers["Retry-After"] = str(retry_after_s)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 # GenerateRequest fields whose OpenAI parameter has another name (sampling.* and stopping.* keep

@@ -460,7 +460,15 @@ def test_malformed_json_and_unknown_route(http: httpx.Client) -> None:
     response = http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and "malformed JSON" in response.json()["error"]["message"]
     response = http.get("/v1/nothing")
-    assert response.status_code == 404 and response.json()["error"]["message"] == "Not Found"
+    assert response.status_code == 404
+    assert response.json()["error"] == {"message": "invalid URL (GET /v1/nothing): no such route",
+                                        "type": "invalid_request_error", "param": None, "code": None}
+    response = http.post("/chat/completions", json={})  # a base URL without /v1
+    assert response.status_code == 404 and response.json()["error"]["message"] == (
+        "invalid URL (POST /chat/completions): no such route; the OpenAI API is served under /v1 (/v1/chat/completions)")
+    response = http.get("/v1/chat/completions")  # RFC 9110: a 405 names the methods that the route takes
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert response.json()["error"]["message"] == "method not allowed (GET /v1/chat/completions); this route takes POST"
 
 
 def test_error_after_the_stream_started_is_an_sse_event(http: httpx.Client, client: openai.OpenAI,
