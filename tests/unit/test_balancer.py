@@ -22,6 +22,7 @@ from forge_service.config import ServiceConfig
 from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
 from forge_service.server import REPLICA_HEADER, ForgeService, Phase
+from tests.ports import free_port
 from tests.unit.fakes import FakeEngine, until
 
 pytestmark = pytest.mark.timeout(90)
@@ -100,9 +101,7 @@ async def fleet(n: int, ready_timeout_s: float = 2.0) -> AsyncIterator[Fleet]:
         await f.start_replica()
     target = ",".join(f"127.0.0.1:{r.port}" for r in f.replicas)
     config = GatewayConfig(target=target, ready_timeout_s=ready_timeout_s)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
     serving = asyncio.create_task(server.serve())
     await until(lambda: server.started, 10)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import socket
 import sys
 import threading
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 from forge_service.config import ServiceConfig
 from forge_service.serve import run_all_async
 from forge_service.server import ForgeService
+from tests.ports import free_port
 from tests.unit.fakes import FakeEngine, wait_ready
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,9 +29,7 @@ def load_bench():
 
 
 def test_bench_serve_reports_latencies_and_throughput(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     config = ServiceConfig(host="127.0.0.1", grpc_port=0, http_port=port, drain_timeout_s=1)
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
