@@ -7,16 +7,23 @@ types, so the async engine and the gRPC servicer can be tested without a model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Callable
 
 import httpx
 
+from forge_service.config import ServiceConfig
 from forge_service.engine.output_types import CompletionOutput, Logprob, RequestOutput
 from forge_service.engine.request import SamplingParams
 from forge_service.errors import InvalidArgument, QueueFull
+from forge_service.metrics import metrics_endpoint
+from forge_service.serve import run_all_async
+from forge_service.server import ForgeService
+from tests.ports import free_port
 
 EOS = 0
 
@@ -215,3 +222,24 @@ async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached")
         await asyncio.sleep(0.005)
+
+
+@contextlib.contextmanager
+def forge_serve_fake(**engine_options: object) -> Iterator[ServiceConfig]:
+    """The service and the gateway on a FakeEngine in one process, as `forge serve` runs them (its
+    metrics endpoint included), on a thread of their own; yields the config, ports filled in."""
+    config = ServiceConfig(host="127.0.0.1", grpc_port=0, http_port=free_port(), metrics_port=free_port(),
+                           drain_timeout_s=1)
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    service = ForgeService(config, lambda: FakeEngine(**engine_options))
+    thread = threading.Thread(target=loop.run_until_complete, args=(run_all_async(service, config, stop),))
+    with metrics_endpoint(service.metrics.registry, config.host, config.metrics_port):
+        thread.start()
+        try:
+            wait_ready(f"http://127.0.0.1:{config.http_port}")
+            yield config
+        finally:
+            loop.call_soon_threadsafe(stop.set)
+            thread.join(20)
+            loop.close()

@@ -2,7 +2,6 @@
 memory and the in-flight gauges, and fails a service whose gauges do not settle."""
 from __future__ import annotations
 
-import asyncio
 import http.server
 import importlib.util
 import json
@@ -14,12 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from forge_service.config import ServiceConfig
-from forge_service.metrics import metrics_endpoint
-from forge_service.serve import run_all_async
-from forge_service.server import ForgeService
 from tests.ports import free_port
-from tests.unit.fakes import FakeEngine, wait_ready
+from tests.unit.fakes import forge_serve_fake
 
 pytestmark = pytest.mark.timeout(60)
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
@@ -31,26 +26,6 @@ def load_bench():
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
-
-
-@contextmanager
-def forge_serve() -> Iterator[tuple[int, int]]:
-    """The service and gateway in one process, as `forge serve` runs them: (HTTP port, metrics port)."""
-    config = ServiceConfig(host="127.0.0.1", grpc_port=0, http_port=free_port(), metrics_port=free_port(),
-                           drain_timeout_s=1)
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    service = ForgeService(config, lambda: FakeEngine(max_model_len=4096, step_delay_s=0.002))
-    thread = threading.Thread(target=loop.run_until_complete, args=(run_all_async(service, config, stop),))
-    with metrics_endpoint(service.metrics.registry, config.host, config.metrics_port):
-        thread.start()
-        try:
-            wait_ready(f"http://127.0.0.1:{config.http_port}")
-            yield config.http_port, config.metrics_port
-        finally:
-            loop.call_soon_threadsafe(stop.set)
-            thread.join(20)
-            loop.close()
 
 
 @contextmanager
@@ -79,9 +54,9 @@ def stuck_metrics() -> Iterator[str]:
 def test_soak_counts_answers_samples_memory_and_sees_the_service_settle(tmp_path: Path) -> None:
     bench = load_bench()
     out = tmp_path / "soak.json"
-    with forge_serve() as (port, metrics_port):
-        code = bench.main(["--url", f"http://127.0.0.1:{port}", "--metrics-url",
-                           f"http://127.0.0.1:{metrics_port}/metrics", "--duration-s", "2", "--sample-s", "0.5",
+    with forge_serve_fake(max_model_len=4096, step_delay_s=0.002) as config:
+        code = bench.main(["--url", f"http://127.0.0.1:{config.http_port}", "--metrics-url",
+                           f"http://127.0.0.1:{config.metrics_port}/metrics", "--duration-s", "2", "--sample-s", "0.5",
                            "--concurrency", "4", "--kinds", "chat,completions", "--out", str(out)])
     report = json.loads(out.read_text())
     assert code == 0 and report["settled"] and report["left_in_flight"] == {}
@@ -96,8 +71,8 @@ def test_soak_counts_answers_samples_memory_and_sees_the_service_settle(tmp_path
 
 def test_soak_fails_a_service_that_keeps_work_in_flight(tmp_path: Path) -> None:
     bench = load_bench()
-    with forge_serve() as (port, _), stuck_metrics() as metrics_url:
-        code = bench.main(["--url", f"http://127.0.0.1:{port}", "--metrics-url", metrics_url, "--duration-s", "0.5",
+    with forge_serve_fake(max_model_len=4096, step_delay_s=0.002) as config, stuck_metrics() as metrics_url:
+        code = bench.main(["--url", f"http://127.0.0.1:{config.http_port}", "--metrics-url", metrics_url, "--duration-s", "0.5",
                            "--sample-s", "0.25", "--settle-s", "0.5", "--concurrency", "2", "--kinds", "chat",
                            "--out", str(tmp_path / "soak.json")])
     report = json.loads((tmp_path / "soak.json").read_text())
