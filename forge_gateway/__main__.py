@@ -69,7 +69,7 @@ def serve(config: GatewayConfig) -> None:
     from forge_gateway import balancer, dial
     from forge_gateway.app import create_app, listen_http
     from forge_service.errors import StartupError
-    from forge_service.logs import uvicorn_log_config
+    from forge_service.logs import UVICORN_LOG_CONFIG
     from forge_service.tracing import traced
 
     try:
@@ -81,7 +81,7 @@ def serve(config: GatewayConfig) -> None:
             traced(config.otlp_traces_endpoint, "forge-gateway") as tracer:
         server = uvicorn.Server(uvicorn.Config(create_app(config, tracer=tracer), host=config.host,
                                                port=config.http_port, log_level=config.log_level,
-                                               log_config=uvicorn_log_config(config.log_format),
+                                               log_config=UVICORN_LOG_CONFIG,
                                                timeout_graceful_shutdown=30))
         server.run(sockets=[sock])
 

@@ -82,8 +82,7 @@ def setup_logging(level: str, fmt: str = "text") -> None:
     logging.captureWarnings(True)
 
 
-def uvicorn_log_config(fmt: str) -> dict[str, Any] | None:
-    """uvicorn's own `log_config`: None in JSON mode, so that its loggers reach the root handler."""
-    from uvicorn.config import LOGGING_CONFIG
-
-    return None if fmt == "json" else LOGGING_CONFIG
+# uvicorn's `log_config`: none of its own, so that its loggers (its server lines and one access line
+# per HTTP request) reach the root handler and read like Forge's lines, in text mode as in JSON:
+# a timestamp, and the request id of the request they are about.
+UVICORN_LOG_CONFIG: dict[str, Any] | None = None

@@ -19,7 +19,7 @@ import uvicorn
 from forge_gateway.app import create_app, listen_http
 from forge_gateway.config import GatewayConfig, gateway_config_from_env
 from forge_service.config import EngineConfig, ServiceConfig, malloc_arenas
-from forge_service.logs import uvicorn_log_config
+from forge_service.logs import UVICORN_LOG_CONFIG
 from forge_service.metrics import metrics_endpoint
 from forge_service.server import ForgeService, build_service, cap_malloc_arenas
 from forge_service.tracing import traced
@@ -68,7 +68,7 @@ async def _serve_with_gateway(service: ForgeService, config: GatewayConfig, http
                               stop: asyncio.Event | None) -> None:
     http = _Uvicorn(uvicorn.Config(create_app(config, tracer=service.tracer), host=config.host,
                                    port=config.http_port, log_level=config.log_level,
-                                   log_config=uvicorn_log_config(config.log_format),
+                                   log_config=UVICORN_LOG_CONFIG,
                                    timeout_graceful_shutdown=_HTTP_GRACE_S))
     gateway = asyncio.create_task(http.serve(sockets=[http_socket]))
     try:

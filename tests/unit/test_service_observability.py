@@ -1,14 +1,16 @@
 """The servicer's request ids, completion log lines, server spans and rejection count (fake engine),
-and the JSON log format."""
+the JSON log format, and uvicorn's lines in Forge's text format."""
 from __future__ import annotations
 
 import asyncio
 import io
 import json
 import logging
+import re
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -16,10 +18,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from forge_service.config import ServiceConfig, traces_endpoint
-from forge_service.logs import JsonFormatter, _ContextFilter, request_id_set
+from forge_service.logs import JsonFormatter, _ContextFilter, request_id_set, setup_logging
 from forge_service.pb import forge_pb2_grpc as pb_grpc
 from forge_service.server import ForgeService
-from tests.unit.fakes import FakeEngine
+from tests.unit.fakes import FakeEngine, forge_serve_fake
 from tests.unit.test_server_fake_engine import text_request
 
 pytestmark = pytest.mark.timeout(60)
@@ -113,6 +115,30 @@ def test_json_lines_carry_request_and_trace_ids() -> None:
     assert inside["request_id"] == "r-9" and inside["tokens"] == 5
     assert inside["trace_id"] == format(span.get_span_context().trace_id, "032x")
     assert inside["span_id"] == format(span.get_span_context().span_id, "016x")
+
+
+def test_uvicorn_lines_read_like_forges_own_in_text_mode() -> None:
+    """The gateway's uvicorn keeps no log config of its own: its access line for a request reaches the
+    root handler, with the timestamp and the request id that Forge's text lines carry."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    uvicorn_loggers = [logging.getLogger(name) for name in ("uvicorn", "uvicorn.error", "uvicorn.access")]
+    for logger in uvicorn_loggers:  # as in a fresh process, whatever other tests' servers set
+        logger.handlers, logger.propagate = [], True
+    stream = io.StringIO()
+    try:
+        setup_logging("info", "text")
+        root.handlers[0].setStream(stream)
+        with forge_serve_fake() as config:
+            answer = httpx.post(f"http://127.0.0.1:{config.http_port}/v1/completions", headers={"X-Request-Id": "r-42"},
+                                json={"model": "fake-model", "prompt": "hi", "max_tokens": 2})
+            assert answer.status_code == 200, answer.text
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    access = [line for line in stream.getvalue().splitlines() if " uvicorn.access " in line]
+    line = r'\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO uvicorn\.access \[r-42\]: 127\.0\.0\.1:\d+ - "POST /v1/completions HTTP/1\.1" 200'
+    assert any(re.fullmatch(line, text) for text in access), access
 
 
 def test_tracing_is_off_unless_an_endpoint_is_set() -> None:
