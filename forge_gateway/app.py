@@ -110,8 +110,9 @@ def _routing_message(request: Request, error: StarletteHTTPException) -> str:
     the usual slip): the method and path it sent, and for a wrong method the ones allowed."""
     sent = f"{request.method} {request.url.path}"
     if error.status_code == 404 and error.detail == "Not Found":
-        path = request.url.path
-        hint = "" if path.startswith("/v1/") else f"; the OpenAI API is served under /v1 (/v1{path})"
+        under_v1 = "/v1" + request.url.path
+        routes = {getattr(route, "path", None) for route in request.app.routes}
+        hint = f"; the OpenAI API is served under /v1 ({under_v1})" if under_v1 in routes else ""
         return f"invalid URL ({sent}): no such route{hint}"
     if error.status_code == 405:
         allowed = (error.headers or {}).get("Allow", "")

@@ -466,6 +466,7 @@ def test_malformed_json_and_unknown_route(http: httpx.Client) -> None:
     response = http.post("/chat/completions", json={})  # a base URL without /v1
     assert response.status_code == 404 and response.json()["error"]["message"] == (
         "invalid URL (POST /chat/completions): no such route; the OpenAI API is served under /v1 (/v1/chat/completions)")
+    assert http.get("/v2/models").json()["error"]["message"] == "invalid URL (GET /v2/models): no such route"
     response = http.get("/v1/chat/completions")  # RFC 9110: a 405 names the methods that the route takes
     assert response.status_code == 405 and response.headers["allow"] == "POST"
     assert response.json()["error"]["message"] == "method not allowed (GET /v1/chat/completions); this route takes POST"
