@@ -32,14 +32,15 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from forge_service.__main__ import configs_from_args, run_or_report, setup_logging
-    from forge_service.serve import run_all
 
     try:
         engine_config, service_config = configs_from_args(args)
     except ValueError as error:  # a FORGE_* variable or a value out of range, as argparse reports its own
         print(f"forge serve: error: {error}", file=sys.stderr)
         return 2
-    setup_logging(service_config.log_level, service_config.log_format)
+    setup_logging(service_config.log_level, service_config.log_format)  # before gRPC loads: see there
+    from forge_service.serve import run_all
+
     return run_or_report(lambda: run_all(engine_config, service_config))
 
 

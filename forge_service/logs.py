@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 from contextvars import ContextVar
 from datetime import datetime, timezone
 from typing import Any, Iterator
@@ -70,9 +71,14 @@ def log_format(value: str) -> str:
 
 
 def setup_logging(level: str, fmt: str = "text") -> None:
-    """Root logging to stderr in `fmt` ("text" or "json"); warnings.warn goes there too."""
+    """Root logging to stderr in `fmt` ("text" or "json"); warnings.warn goes there too. gRPC's C
+    core writes its own lines to stderr, past Python's logging and in its own format (at shutdown
+    under load: `I... chttp2_transport.cc] ... Got goaway`, a line that is not JSON); unless
+    GRPC_VERBOSITY says otherwise, it writes only its errors. The core reads that variable when
+    grpc is imported, so servers call this first."""
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}; got {fmt!r}")
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     handler = logging.StreamHandler()
     handler.addFilter(_ContextFilter())
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(_TEXT_FORMAT))
