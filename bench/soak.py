@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import machine, write_report  # noqa: E402
@@ -94,10 +95,9 @@ async def client(number: int, http: httpx.AsyncClient, model: str, kinds: list[s
 def gauges(text: str) -> dict[str, float]:
     """Sum of each metric's samples over their labels, from the Prometheus text format."""
     values: Counter = Counter()
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name.split("{", 1)[0]] += float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] += sample.value
     return dict(values)
 
 

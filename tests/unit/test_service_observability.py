@@ -117,7 +117,7 @@ def test_json_lines_carry_request_and_trace_ids() -> None:
     assert inside["span_id"] == format(span.get_span_context().span_id, "016x")
 
 
-def test_uvicorn_lines_read_like_forges_own_in_text_mode() -> None:
+def test_uvicorn_lines_read_like_forges_own_in_text_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     """The gateway's uvicorn keeps no log config of its own: its access line for a request reaches the
     root handler, with the timestamp and the request id that Forge's text lines carry."""
     root = logging.getLogger()
@@ -126,6 +126,7 @@ def test_uvicorn_lines_read_like_forges_own_in_text_mode() -> None:
     for logger in uvicorn_loggers:  # as in a fresh process, whatever other tests' servers set
         logger.handlers, logger.propagate = [], True
     stream = io.StringIO()
+    monkeypatch.setenv("GRPC_VERBOSITY", "ERROR")  # what setup_logging sets, undone after the test
     try:
         setup_logging("info", "text")
         root.handlers[0].setStream(stream)
