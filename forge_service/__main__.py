@@ -26,6 +26,9 @@ ENGINE_FLAGS = [
      "LoRA adapters served beside the model, NAME=PATH[,NAME=PATH...] (PEFT directories); a request names one as "
      "its model (CPU backend)"),
     ("--max-lora-rank", "max_lora_rank", int, "largest LoRA adapter rank accepted at load (default 64)"),
+    ("--chat-template", "chat_template", str,
+     "chat template used in place of the model's: a Jinja file's path, or the template itself (default: the "
+     "model's own)"),
     ("--dtype", "dtype", str, "auto, float32 or bfloat16"),
     ("--device", "device", str, "cpu or cuda"),
     ("--max-model-len", "max_model_len", int, "cap on the context length"),

@@ -57,6 +57,9 @@ class ModelConfig:
     lora_modules: str | None = None
     # The largest adapter rank accepted at load.
     max_lora_rank: int = 64
+    # The chat template used in place of the model's (for a model without one, or to change it): a
+    # file's path, or the Jinja text itself. None: the model's own.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         require_at_least(self, 1, "max_model_len", "max_lora_rank")

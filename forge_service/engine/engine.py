@@ -28,6 +28,7 @@ from forge_service.runner.model_runner import ModelRunner, SampledToken
 from forge_service.sampling.bad_words import bad_word_ids
 from forge_service.structured import GrammarCompiler, MatcherSet
 from forge_service.tokenizer import Tokenizer
+from forge_service.tokenizer.chat_template import read_chat_template
 
 log = logging.getLogger("forge.engine")
 
@@ -100,6 +101,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         path = config.model.model or (checkpoint.path if checkpoint else default_model_path())
+        # Read before the weights load: a template that cannot serve fails the start at once.
+        template = read_chat_template(config.model.chat_template) if config.model.chat_template else None
         backend = create_backend(config.model.device)  # raises first if the device cannot be used
         self.dtype = resolve_dtype(config.model.dtype, config.model.device)
         started = time.perf_counter()
@@ -108,6 +111,8 @@ class LLMEngine:
         on_cpu = backend.device.type == "cpu"
         ckpt = checkpoint or load_checkpoint(path, self.dtype, lazy_coded=on_cpu)
         self.tokenizer = tokenizer or Tokenizer.from_path(path)
+        if template is not None:
+            self.tokenizer.set_chat_template(template)
         self.arch = ckpt.arch
         weights = {name: w if w.is_meta else w.to(backend.device) for name, w in ckpt.weights.items()}
         codes = {**ckpt.int4, **ckpt.int8} if on_cpu else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from datetime import datetime
 from typing import Any
 
@@ -16,7 +17,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from forge_service.errors import InvalidArgument
+from forge_service.errors import InvalidArgument, StartupError
 
 
 _CONTENT_END = "\ue004"  # a private-use character: marks the end of a message to be continued
@@ -62,6 +63,29 @@ def compile_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise InvalidArgument(f"chat template does not compile: {e}") from e
+
+
+def read_chat_template(value: str) -> str:
+    """A server's own chat template (--chat-template), in place of the model's: the text of the file
+    `value` names, or `value` itself when it is a Jinja template (it holds `{{` or `{%`).
+    StartupError when it is neither, cannot be read, or does not compile."""
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                source = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise StartupError(f"chat_template: cannot read {value}: {e}") from e
+    elif "{{" in value or "{%" in value:
+        source = value
+    else:
+        raise StartupError(f"chat_template: {value!r} is neither a file nor a Jinja template")
+    if not source.strip():
+        raise StartupError(f"chat_template: {value} is empty")
+    try:
+        compile_template(source)
+    except InvalidArgument as e:
+        raise StartupError(f"chat_template: {e}") from e
+    return source
 
 
 class ChatTemplate:

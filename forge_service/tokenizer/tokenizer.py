@@ -40,14 +40,18 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids) if eos_token_ids else default_eos
         self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
         self.add_bos = self.bos_token_id is not None and backend.encode("").ids[:1] == [self.bos_token_id]
-        self.chat_template = chat_template
-        self._template = ChatTemplate(chat_template, self.special_tokens) if chat_template else None
+        self.set_chat_template(chat_template)
         added = backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
         self._added_ids = frozenset(added)
         specials = sorted({t.content for t in added.values() if t.special and t.content}, key=len, reverse=True)
         # Longest first, so an alternation matches as tokenizers' added-token matcher does (leftmost-longest).
         self._special_pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
+
+    def set_chat_template(self, source: str | None) -> None:
+        """Render chats with this template (None: none); a server's --chat-template replaces the model's."""
+        self.chat_template = source
+        self._template = ChatTemplate(source, self.special_tokens) if source else None
 
     # --- construction ------------------------------------------------------------------------------
 

@@ -81,3 +81,40 @@ def test_serve_with_a_setting_out_of_range_is_a_usage_error():
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert res.stderr.strip() == "forge serve: error: max_num_seqs must be >= 1, got 0"
+
+
+def test_serve_renders_chats_with_its_own_chat_template(tmp_path):
+    # A model without a template of its own serves chats with the one --chat-template names.
+    import httpx
+
+    from forge_service.tokenizer import Tokenizer
+    from tests.integration.serving.servers import running_forge
+
+    arch = tiny_arch()
+    model = tmp_path / "model"
+    write_safetensors_dir(model, arch, random_weights(arch), tokenizer_json=tiny_tokenizer_json())
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}")
+    args = ["--model", str(model), "--chat-template", str(template), "--dtype", "float32", "--log-level", "warning"]
+    with running_forge(args) as server:
+        server.wait_ready()
+        name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+        counted = httpx.post(server.url + "/tokenize", json={"model": name, "messages": messages}).json()
+        chat = httpx.post(server.url + "/v1/chat/completions",
+                          json={"model": name, "messages": messages, "max_tokens": 3, "temperature": 0}, timeout=60)
+    want = Tokenizer.from_path(str(model)).encode("<system>be brief\n<user>hi there\n", add_special_tokens=False)
+    assert counted["tokens"] == want, counted
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == len(want)
+
+
+@pytest.mark.parametrize("value, reason", [
+    ("{dir}/missing.jinja", "chat_template: '{dir}/missing.jinja' is neither a file nor a Jinja template"),
+    ("{{% if %}}", "chat_template: chat template does not compile: "),
+])
+def test_serve_with_a_chat_template_that_cannot_serve_says_why(tmp_path, value, reason):
+    ports = [str(part) for flag in ("--http-port", "--grpc-port", "--metrics-port") for part in (flag, free_port())]
+    cmd = [sys.executable, "-m", "forge_service.cli", "serve", "--host", "127.0.0.1", *ports,
+           "--chat-template", value.format(dir=tmp_path)]
+    assert_start_fails(cmd, None, reason.format(dir=tmp_path))

@@ -352,6 +352,45 @@ def test_missing_chat_template_is_invalid_argument(bpe, tmp_path):
         bare.apply_chat_template([{"role": "user", "content": "a"}])
 
 
+def test_server_chat_template_from_a_file_or_inline(tmp_path):
+    from forge_service.tokenizer.chat_template import read_chat_template
+    inline = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    (tmp_path / "t.jinja").write_text(inline, encoding="utf-8")
+    assert read_chat_template(str(tmp_path / "t.jinja")) == inline
+    assert read_chat_template(inline) == inline
+
+
+@pytest.mark.parametrize("name, value, reason", [
+    ("missing", "{dir}/missing.jinja", "is neither a file nor a Jinja template"),
+    ("directory", "{dir}", "is neither a file nor a Jinja template"),
+    ("empty", "{dir}/empty.jinja", "is empty"),
+    ("syntax", "{{% for m in messages %}}", "does not compile"),
+    ("syntax file", "{dir}/bad.jinja", "does not compile"),
+    ("not utf-8", "{dir}/latin1.jinja", "cannot read"),
+])
+def test_server_chat_template_that_cannot_serve_fails_the_start(tmp_path, name, value, reason):
+    from forge_service.errors import StartupError
+    from forge_service.tokenizer.chat_template import read_chat_template
+    (tmp_path / "empty.jinja").write_text(" \n")
+    (tmp_path / "bad.jinja").write_text("{{ messages[0]['content'] }")
+    (tmp_path / "latin1.jinja").write_bytes("{{ 'caf\xe9' }}".encode("latin-1"))
+    with pytest.raises(StartupError, match=f"^chat_template: .*{reason}"):
+        read_chat_template(value.format(dir=tmp_path))
+
+
+def test_set_chat_template_replaces_the_models(bpe):
+    tok, _ = bpe
+    own = tok.chat_template  # the fixture is shared: its template goes back afterwards
+    try:
+        tok.set_chat_template("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+        assert tok.apply_chat_template([{"role": "user", "content": "a"}]) == "<user>a"
+        tok.set_chat_template(None)
+        with pytest.raises(InvalidArgument, match="no chat template"):
+            tok.apply_chat_template([{"role": "user", "content": "a"}])
+    finally:
+        tok.set_chat_template(own)
+
+
 def test_chat_template_compiled_once():
     from forge_service.tokenizer.chat_template import ChatTemplate, compile_template
     a, b = ChatTemplate("{{ 1 }}"), ChatTemplate("{{ 1 }}")
