@@ -227,7 +227,7 @@ async def _chat(request: Request, body: ChatCompletionRequest, config: GatewayCo
     created, timeout = int(time.time()), _timeout(request, config)
     if body.stream:
         formatter = streams.ChatStream(response_id, created, body.model, body.n, body.logprobs, body.include_usage,
-                                       echo=body.echoed)
+                                       body.continuous_usage, echo=body.echoed)
         return await _stream(request, [message], formatter, timeout)
     call = _replicas(request).generate(message, timeout)
     response = await _unless_disconnected(request, _answer(request, call), _canceller([call]))
@@ -263,7 +263,8 @@ async def _completions(request: Request, body: CompletionRequest, config: Gatewa
     created, timeout = int(time.time()), _timeout(request, config)
     if body.stream:
         formatter = streams.CompletionStream(response_id, created, body.model, body.n, body.logprobs is not None,
-                                             body.include_usage, echo=body.prompts() if body.echo else None,
+                                             body.include_usage, body.continuous_usage,
+                                             echo=body.prompts() if body.echo else None,
                                              prompt_only=body.prompt_only, top_k=body.logprobs or 0)
         return await _stream(request, messages, formatter, timeout)
     calls = [_replicas(request).generate(m, timeout) for m in messages]
@@ -434,7 +435,7 @@ async def _sse(first: tuple[int, pb.StreamResponse], rest: AsyncIterator[tuple[i
         return _sse_event(chunk, chunk["type"] if formatter.named_events else None)
 
     try:
-        for chunk in formatter.start() + formatter.on_message(*first):
+        for chunk in formatter.start(first[1]) + formatter.on_message(*first):
             yield event(chunk)
         async for index, message in rest:
             for chunk in formatter.on_message(index, message):

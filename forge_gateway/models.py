@@ -86,6 +86,8 @@ class StreamOptions(BaseModel):
     model_config = _CONFIG
 
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk with choices carries the usage so far as well.
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -252,6 +254,10 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 _REFUSED_CHAT_FIELDS = {

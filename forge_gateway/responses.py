@@ -311,7 +311,7 @@ class ResponsesStream:
                 "error": None, "incomplete_details": incomplete, "model": self.model, "output": list(self.output),
                 **_echo(self.req), "usage": self.final_usage}
 
-    def start(self) -> list[dict[str, Any]]:
+    def start(self, first: pb.StreamResponse) -> list[dict[str, Any]]:
         return [self._event(kind, response=self._response()) for kind in ("created", "in_progress")]
 
     def on_message(self, prompt: int, message: pb.StreamResponse) -> list[dict[str, Any]]:

@@ -15,7 +15,8 @@ class StreamFormatter(Protocol):
     named_events: bool  # SSE events named by their payload's type (the Responses API's)
     done_marker: bool  # the stream ends with `data: [DONE]`
 
-    def start(self) -> list[dict[str, Any]]: ...
+    def start(self, first: pb.StreamResponse) -> list[dict[str, Any]]:
+        """The opening events, given the stream's first message (passed to on_message next)."""
 
     def on_message(self, prompt: int, message: pb.StreamResponse) -> list[dict[str, Any]]: ...
 
@@ -30,27 +31,45 @@ class _Stream:
     done_marker = True
 
     def __init__(self, response_id: str, created: int, model: str, n: int, want_logprobs: bool,
-                 include_usage: bool) -> None:
+                 include_usage: bool, continuous_usage: bool = False) -> None:
+        """`continuous_usage` (with include_usage): every chunk with choices carries the usage so far."""
         self.response_id, self.created, self.model, self.n = response_id, created, model, n
         self.want_logprobs, self.include_usage = want_logprobs, include_usage
+        self.continuous_usage = include_usage and continuous_usage
         self.prompt_tokens: dict[int, int] = {}
         self.cached_tokens: dict[int, int] = {}
         self.completion_tokens = 0
+        self.generated = 0  # tokens in the chunks so far, every choice's
         self.draft_tokens = self.accepted_draft_tokens = self.reasoning_tokens = 0
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {"id": self.response_id, "object": self.object_name, "created": self.created, "model": self.model,
                "system_fingerprint": None, "choices": choices}
         if self.include_usage:
-            out["usage"] = None
+            out["usage"] = self._usage_so_far() if self.continuous_usage and choices else None
         return out
 
-    def start(self) -> list[dict[str, Any]]:
+    def _usage_so_far(self) -> dict[str, int]:
+        """The prompts' tokens and those generated up to here (the last chunk's equals the final usage's)."""
+        prompt = sum(self.prompt_tokens.values())
+        return {"prompt_tokens": prompt, "completion_tokens": self.generated, "total_tokens": prompt + self.generated}
+
+    def _note_prompt(self, prompt: int, message: pb.StreamResponse) -> None:
+        """The prompt's token count, from whichever message tells it first."""
+        kind = message.WhichOneof("event")
+        if kind == "chunk" and message.chunk.prompt_tokens:
+            self.prompt_tokens[prompt] = message.chunk.prompt_tokens
+        elif kind == "prompt_logprobs":  # one entry per prompt token after the first
+            self.prompt_tokens[prompt] = len(message.prompt_logprobs.positions) + 1
+
+    def start(self, first: pb.StreamResponse) -> list[dict[str, Any]]:
         return []
 
     def on_message(self, prompt: int, message: pb.StreamResponse) -> list[dict[str, Any]]:
         kind = message.WhichOneof("event")
+        self._note_prompt(prompt, message)
         if kind == "chunk":
+            self.generated += len(message.chunk.token_ids)
             choice = self._delta(prompt * self.n + message.chunk.index, message.chunk)
             return [self.chunk([choice])] if choice else []
         if kind == "prompt_logprobs":
@@ -93,7 +112,8 @@ class ChatStream(_Stream):
         super().__init__(*args)
         self.echo = echo
 
-    def start(self) -> list[dict[str, Any]]:
+    def start(self, first: pb.StreamResponse) -> list[dict[str, Any]]:
+        self._note_prompt(0, first)
         return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,
                              "finish_reason": None}]) for i in range(self.n)]
 
@@ -129,6 +149,11 @@ class CompletionStream(_Stream):
         if self.prompt_only:  # the token each prompt took is not returned, so not billed
             self.completion_tokens = self.draft_tokens = self.accepted_draft_tokens = 0
         return super().end()
+
+    def _usage_so_far(self) -> dict[str, int]:
+        if self.prompt_only:
+            self.generated = 0
+        return super()._usage_so_far()
 
     def _prompt(self, prompt: int, logprobs: pb.PromptLogprobs) -> list[dict[str, Any]]:
         """Each of the prompt's completions begins with the echoed prompt (its logprobs too)."""

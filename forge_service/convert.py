@@ -307,7 +307,8 @@ class StreamEncoder:
     def _chunk(self, index: int, piece: Any, token_ids: list[int], logprobs: list[pb.PositionLogprobs]
                ) -> pb.StreamResponse:
         chunk = pb.StreamChunk(index=index, text=piece.text, token_ids=token_ids, logprobs=logprobs,
-                               tool_calls=[_tool_call_delta(d) for d in piece.tool_calls], reasoning=piece.reasoning)
+                               tool_calls=[_tool_call_delta(d) for d in piece.tool_calls], reasoning=piece.reasoning,
+                               prompt_tokens=self.num_prompt_tokens)
         return pb.StreamResponse(request_id=self.request_id, chunk=chunk)
 
     def _final(self, output: Any, completion: Any, count: int, reason: str | None, calls: list[Any]

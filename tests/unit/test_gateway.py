@@ -660,6 +660,33 @@ def test_a_prompt_alone_is_its_echo_with_no_completion_tokens_billed() -> None:
     assert (events[-1]["usage"]["prompt_tokens"], events[-1]["usage"]["completion_tokens"]) == (2, 0)
 
 
+def test_continuous_usage_counts_every_prompt_and_token_so_far() -> None:
+    def chunk(index: int, ids: list[int], prompt_tokens: int) -> pb.StreamResponse:
+        return pb.StreamResponse(chunk=pb.StreamChunk(index=index, text="x" * len(ids), token_ids=ids,
+                                                      prompt_tokens=prompt_tokens))
+
+    def final(prompt_tokens: int, completion_tokens: int) -> pb.StreamResponse:
+        return pb.StreamResponse(final=pb.StreamFinal(finish_reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)))
+
+    # Two prompts of 5 and 7 tokens, their streams interleaved as the gateway merges them.
+    stream = streams.CompletionStream("id", 0, "m", 1, False, True, True)
+    events = stream.start(chunk(0, [1], 5)) + stream.on_message(0, chunk(0, [1], 5))
+    events += stream.on_message(1, chunk(0, [2, 3], 7)) + stream.on_message(0, chunk(0, [4], 5))
+    events += stream.on_message(0, final(5, 2)) + stream.on_message(1, final(7, 2)) + stream.end()
+    assert [(e["usage"]["prompt_tokens"], e["usage"]["completion_tokens"]) for e in events] == [
+        (5, 1), (12, 3), (12, 4), (12, 4), (12, 4), (12, 4)]
+    assert events[-1]["usage"]["total_tokens"] == 16 and events[-1]["choices"] == []
+    # Not without include_usage, as vLLM has it; and a prompt alone bills no completion token.
+    quiet = streams.ChatStream("id", 0, "m", 1, False, False, True)
+    assert all("usage" not in e for e in quiet.start(chunk(0, [1], 5)) + quiet.on_message(0, chunk(0, [1], 5)))
+    prompt = pb.PromptLogprobs(first=pb.TokenLogprob(token="a", bytes=b"a"), positions=[_scored("b", b"b", -1.0)])
+    alone = streams.CompletionStream("id", 0, "m", 1, False, True, True, echo=["ab"], prompt_only=True)
+    events = alone.on_message(0, pb.StreamResponse(prompt_logprobs=prompt)) + alone.on_message(0, chunk(0, [5], 2))
+    events += alone.on_message(0, final(2, 1)) + alone.end()
+    assert [(e["usage"]["prompt_tokens"], e["usage"]["completion_tokens"]) for e in events] == [(2, 0)] * 3
+
+
 def test_vllm_prompt_logprobs_come_per_choice_or_once_for_chat_and_are_not_streamed(
         http: httpx.Client, fake: FakeForge) -> None:
     prompt = pb.PromptLogprobs(first=pb.TokenLogprob(token_id=7, token="a"), positions=[pb.PositionLogprobs(

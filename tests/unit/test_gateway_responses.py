@@ -145,7 +145,7 @@ def test_a_whole_answer_becomes_a_response() -> None:
 
 def stream_events(messages: list[pb.StreamResponse]) -> list[dict[str, Any]]:
     stream = responses.ResponsesStream("resp_1", 100, request(tools=[WEATHER]))
-    events = stream.start()
+    events = stream.start(messages[0])
     for message in messages:
         events += stream.on_message(0, message)
     return events + stream.end()

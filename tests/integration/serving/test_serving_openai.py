@@ -118,6 +118,21 @@ def test_completion_streamed_and_not_equals_the_offline_api(idle_server, openai_
     assert all(c.usage is None for c in body)
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(idle_server, openai_client, model_name) -> None:
+    # vLLM's stream option: each chunk's usage counts the prompt and the tokens generated up to it.
+    texts, _, chunks = chat_stream(openai_client, model=model_name, messages=CHAT, max_tokens=MAX_TOKENS, n=2,
+                                   temperature=0.8, seed=3, stream_options={"include_usage": True,
+                                                                            "continuous_usage_stats": True})
+    *body, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 2 * MAX_TOKENS
+    assert all(c.choices and c.usage is not None for c in body) and len(body) > 2 * 2
+    assert [usage_tuple(c.usage) for c in body[:2]] == [(last.usage.prompt_tokens, 0, last.usage.prompt_tokens)] * 2
+    so_far = [c.usage.completion_tokens for c in body]
+    assert so_far == sorted(so_far) and usage_tuple(body[-1].usage) == usage_tuple(last.usage)
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in body)
+    assert set(texts) == {0, 1}
+
+
 def test_the_responses_api_answers_as_chat_does(idle_server, openai_client, model_name) -> None:
     """POST /v1/responses (the client's responses.create): the same greedy answer as chat, whole and
     streamed, and a required tool call as a function_call item whose arguments fit the tool."""
