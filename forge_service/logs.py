@@ -32,9 +32,13 @@ def request_id_set(request_id: str) -> Iterator[None]:
 
 
 class _ContextFilter(logging.Filter):
-    """Adds request_id, trace_id and span_id (None when unknown) to every record."""
+    """Adds request_id, trace_id and span_id (None when unknown) to every record. uvicorn's server
+    lines come from its logger `uvicorn.error` whatever their level ("Started server process" at
+    INFO); they are shown as `uvicorn`'s, so that an INFO line never reads as an error."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "uvicorn.error":  # uvicorn's server lines, of every level, under a historical name
+            record.name = "uvicorn"
         request_id = getattr(record, "request_id", None) or REQUEST_ID.get()
         record.request_id = request_id
         record.request_tag = f" [{request_id}]" if request_id else ""

@@ -119,7 +119,8 @@ def test_json_lines_carry_request_and_trace_ids() -> None:
 
 def test_uvicorn_lines_read_like_forges_own_in_text_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     """The gateway's uvicorn keeps no log config of its own: its access line for a request reaches the
-    root handler, with the timestamp and the request id that Forge's text lines carry."""
+    root handler, with the timestamp and the request id that Forge's text lines carry; its server
+    lines are uvicorn's, not `uvicorn.error`'s."""
     root = logging.getLogger()
     saved = root.handlers[:], root.level
     uvicorn_loggers = [logging.getLogger(name) for name in ("uvicorn", "uvicorn.error", "uvicorn.access")]
@@ -137,7 +138,10 @@ def test_uvicorn_lines_read_like_forges_own_in_text_mode(monkeypatch: pytest.Mon
     finally:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
-    access = [line for line in stream.getvalue().splitlines() if " uvicorn.access " in line]
+    lines = stream.getvalue().splitlines()
+    assert any(re.search(r" INFO uvicorn: Application startup complete\.$", text) for text in lines), lines
+    assert not any("uvicorn.error" in text for text in lines), lines
+    access = [line for line in lines if " uvicorn.access " in line]
     line = r'\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO uvicorn\.access \[r-42\]: 127\.0\.0\.1:\d+ - "POST /v1/completions HTTP/1\.1" 200'
     assert any(re.fullmatch(line, text) for text in access), access
 
