@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from forge_service.config import from_env, require_at_least, require_ports, require_positive
+from forge_service.config import api_keys, from_env, require_at_least, require_ports, require_positive
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,8 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         require_ports(self, "http_port")
+        api_keys(self.api_key, "api_key")
+        api_keys(self.grpc_api_key, "grpc_api_key")
         require_at_least(self, 0, "retry_after_s", "ready_timeout_s")
         require_at_least(self, 1, "max_body_bytes", "max_json_depth", "max_prompts", "max_messages", "max_n")
         require_at_least(self, 0, "max_unknown_field_bytes", "max_stop", "max_stop_chars", "max_n_tokens",

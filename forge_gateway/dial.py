@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import grpc
 
 from forge_gateway.config import GatewayConfig
+from forge_service.config import api_keys
 
 
 def _with_key(details: grpc.aio.ClientCallDetails, header: tuple[str, str]) -> grpc.aio.ClientCallDetails:
@@ -51,7 +52,8 @@ def open_channel(config: GatewayConfig, options: Sequence[tuple[str, Any]] = (),
                  interceptors: Sequence[Any] = ()) -> grpc.aio.Channel:
     """A channel to config.target as the configuration says (TLS, client certificate, API key);
     `interceptors` run on every call before the key is added."""
-    key = config.api_key if config.grpc_api_key is None else config.grpc_api_key  # as the service defaults
+    # As the service defaults; of a list of keys, the first (the others are accepted, not presented).
+    key = next(iter(api_keys(config.api_key if config.grpc_api_key is None else config.grpc_api_key)), None)
     interceptors = [*interceptors, *([_UnaryKey(key), _StreamKey(key)] if key else [])] or None
     options = list(options)
     if config.grpc_server_name:

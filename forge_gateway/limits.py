@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from forge_gateway.config import GatewayConfig
+from forge_service.config import api_keys
 from forge_gateway.errors import GatewayError, unauthorized
 from forge_gateway.models import ChatCompletionRequest, CompletionRequest, _Common
 
@@ -29,6 +30,7 @@ class RequestGuard:
 
     def __init__(self, app: ASGIApp, config: GatewayConfig) -> None:
         self.app, self.config = app, config
+        self.keys = [key.encode() for key in api_keys(config.api_key)]  # any of them is accepted
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -50,7 +52,7 @@ class RequestGuard:
         scheme, _, token = _header(scope, b"authorization").partition(" ")
         if scheme.lower() != "bearer" or not token:
             return unauthorized("missing API key: send `Authorization: Bearer <key>`")
-        if not secrets.compare_digest(token.encode(), self.config.api_key.encode()):
+        if not any([secrets.compare_digest(token.encode(), key) for key in self.keys]):
             return unauthorized("incorrect API key provided")
         return None
 

@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
-from forge_service.config import ServiceConfig
+from forge_service.config import ServiceConfig, api_keys
 
 # Methods any caller may use: liveness and readiness probes.
 OPEN_METHODS = frozenset({
@@ -28,8 +28,9 @@ _WRONG = "incorrect API key"
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls without `authorization: Bearer <key>` (OPEN_METHODS excepted)."""
 
-    def __init__(self, key: str, open_methods: frozenset[str] = OPEN_METHODS) -> None:
-        self._key = key.encode()
+    def __init__(self, keys: tuple[str, ...], open_methods: frozenset[str] = OPEN_METHODS) -> None:
+        """`keys`: any of them is accepted (a list, while one is being rotated)."""
+        self._keys = [key.encode() for key in keys]
         self._open = open_methods
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[grpc.RpcMethodHandler]],
@@ -48,7 +49,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         scheme, _, token = value.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return _MISSING
-        return None if secrets.compare_digest(token.strip().encode(), self._key) else _WRONG
+        sent = token.strip().encode()
+        return None if any([secrets.compare_digest(sent, key) for key in self._keys]) else _WRONG
 
 
 def refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
@@ -86,8 +88,8 @@ def server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
 
 
 def interceptors(config: ServiceConfig) -> list[grpc.aio.ServerInterceptor]:
-    key = config.grpc_key
-    return [ApiKeyInterceptor(key)] if key else []
+    keys = api_keys(config.grpc_key, "grpc_api_key")
+    return [ApiKeyInterceptor(keys)] if keys else []
 
 
 def reflection_enabled(config: ServiceConfig) -> bool:

@@ -37,6 +37,18 @@ def require_ports(config: object, *names: str) -> None:
             raise ValueError(f"{name} must be a port number (0 to 65535), got {value}")
 
 
+def api_keys(value: str | None, name: str = "api_key") -> tuple[str, ...]:
+    """An API key setting's keys: one, or several separated by commas, any of which is accepted
+    (the first is the one a Forge gateway presents), so that a key can be rotated without refusing
+    anyone: old,new -> new,old -> new. None or "": no key. ValueError for an empty key in a list."""
+    if not value:
+        return ()
+    keys = tuple(key.strip() for key in value.split(","))
+    if not all(keys):
+        raise ValueError(f"{name}: an empty key in the list (keys are separated by commas)")
+    return keys
+
+
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 MAX_LORA_RANK = 256  # the CPU kernel's bound (native/cpu/ops.c)
 
@@ -231,6 +243,8 @@ class ServiceConfig:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_MODES)}, "
                              f"got {self.reasoning_parser!r}")
         require_ports(self, "grpc_port", "http_port", "metrics_port")
+        api_keys(self.api_key, "api_key")
+        api_keys(self.grpc_api_key, "grpc_api_key")
         require_at_least(self, 0, "drain_timeout_s")
         require_at_least(self, 1, "tokenizer_workers", "max_pending_tokenize")
 

@@ -247,6 +247,38 @@ def background_service(pki: Pki) -> Iterator[Callable[[ServiceConfig], int]]:
     thread.join(10)
 
 
+def test_while_a_key_is_rotated_every_key_in_its_list_is_accepted(background_service: Callable[..., int]) -> None:
+    port = background_service(replace(CONFIG, grpc_api_key="sk-old, sk-new"))
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.ForgeStub(channel)
+        for key, ok in (("sk-old", True), ("sk-new", True), ("sk-other", False), ("sk-old, sk-new", False)):
+            try:
+                stub.Generate(request(), metadata=bearer(key), timeout=10)
+                assert ok, key
+            except grpc.RpcError as error:
+                assert not ok and error.code() == S.UNAUTHENTICATED, (key, error)
+    # The gateway accepts any of its clients' keys and presents the first of its gRPC keys.
+    gateway = GatewayConfig(target=f"127.0.0.1:{port}", api_key="cl-new,cl-old", grpc_api_key="sk-new,sk-gone")
+    body = {"model": "fake-model", "prompt": "hey", "max_tokens": 2}
+    with TestClient(create_app(gateway)) as http:
+        for key, status in (("cl-new", 200), ("cl-old", 200), ("cl-other", 401), ("cl-new,cl-old", 401)):
+            answer = http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            assert answer.status_code == status, (key, answer.text)
+    with TestClient(create_app(replace(gateway, grpc_api_key="sk-gone,sk-new"))) as http:
+        answer = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer cl-new"})
+        assert answer.status_code == 401, answer.text
+
+
+@pytest.mark.parametrize("make", [lambda key: replace(CONFIG, grpc_api_key=key),
+                                  lambda key: replace(CONFIG, api_key=key),
+                                  lambda key: GatewayConfig(api_key=key), lambda key: GatewayConfig(grpc_api_key=key)])
+def test_an_empty_key_in_a_list_is_a_setting_error(make: Callable[[str], Any]) -> None:
+    for key in ("a,,b", "a,", ",a", " , "):
+        with pytest.raises(ValueError, match="an empty key in the list"):
+            make(key)
+    make("a, b")
+
+
 def test_the_gateway_dials_through_mtls_with_the_key(pki: Pki, background_service: Callable[..., int]) -> None:
     port = background_service(replace(CONFIG, tls_cert=str(pki.server_cert), tls_key=str(pki.server_key),
                                       tls_client_ca=str(pki.ca), grpc_api_key=KEY))
