@@ -24,11 +24,11 @@ _ROLES = {"developer": "system"}
 
 def _sampling(req: _Common) -> pb.SamplingParameters:
     sampling = pb.SamplingParameters(
-        top_k=req.top_k or 0, min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()}, bad_words=req.bad_words or [],
         allowed_token_ids=req.allowed_token_ids or [])
-    for name in ("temperature", "top_p", "repetition_penalty", "seed"):
+    # Unset ones stay unset: the service fills in the model's defaults, or its own.
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
         if getattr(req, name) is not None:
             setattr(sampling, name, getattr(req, name))
     return sampling

@@ -231,13 +231,14 @@ def _echo(req: ResponsesRequest) -> dict[str, Any]:
     return {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
-            "temperature": req.temperature if req.temperature is not None else 1.0,
+            # Unset: null, as the server fills in the model's recommended value or its own default.
+            "temperature": req.temperature,
             "text": {"format": req.text.format.model_dump(by_alias=True, exclude_none=True)
                      if req.text is not None and req.text.format is not None else {"type": "text"}},
             "tool_choice": (req.tool_choice.model_dump() if isinstance(req.tool_choice, FunctionChoice)
                             else req.tool_choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-            "top_p": req.top_p if req.top_p is not None else 1.0, "truncation": "disabled", "user": req.user}
+            "top_p": req.top_p, "truncation": "disabled", "user": req.user}
 
 
 def _usage(u: Any) -> dict[str, Any]:

@@ -29,6 +29,9 @@ ENGINE_FLAGS = [
     ("--chat-template", "chat_template", str,
      "chat template used in place of the model's: a Jinja file's path, or the template itself (default: the "
      "model's own)"),
+    ("--generation-config", "generation_config", str,
+     "auto (default): sampling fields a request leaves unset take the model's recommended values (its "
+     "generation_config.json or GGUF general.sampling.*); forge: Forge's defaults (temperature 1, the rest off)"),
     ("--dtype", "dtype", str, "auto, float32 or bfloat16"),
     ("--device", "device", str, "cpu or cuda"),
     ("--max-model-len", "max_model_len", int, "cap on the context length"),

@@ -72,9 +72,15 @@ class ModelConfig:
     # The chat template used in place of the model's (for a model without one, or to change it): a
     # file's path, or the Jinja text itself. None: the model's own.
     chat_template: str | None = None
+    # "auto": what a request leaves of temperature, top_p, top_k, min_p and repetition_penalty
+    # takes the model's recommended value (a Hugging Face directory's generation_config.json, a
+    # GGUF's general.sampling.*), where it has one; "forge": Forge's own defaults.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         require_at_least(self, 1, "max_model_len", "max_lora_rank")
+        if self.generation_config not in ("auto", "forge"):
+            raise ValueError(f"generation_config must be 'auto' or 'forge', got {self.generation_config!r}")
         if self.max_lora_rank > MAX_LORA_RANK:
             raise ValueError(f"max_lora_rank must be at most {MAX_LORA_RANK}, got {self.max_lora_rank}")
         self.lora_paths()  # raises ValueError for a malformed list

@@ -77,20 +77,28 @@ def output_processor(request: pb.GenerateRequest, request_id: str, setup: ToolSe
                            close_token=reasoning.close_token(tokenizer) if split else None)
 
 
-def sampling_params(request: pb.GenerateRequest, setup: ToolSetup | None = None) -> SamplingParams:
-    """The request's SamplingParams, with the proto's documented defaults for unset fields."""
+def sampling_params(request: pb.GenerateRequest, setup: ToolSetup | None = None,
+                    defaults: dict[str, float | int] | None = None) -> SamplingParams:
+    """The request's SamplingParams. An unset field takes `defaults`' value (the model's), else the
+    proto's documented default."""
     s, t = request.sampling, request.stopping
+    defaults = defaults or {}
+
+    def given(name: str, forge_default: float | int) -> float | int:
+        value = getattr(s, name) if s.HasField(name) else defaults.get(name, forge_default)
+        return value if name == "top_k" else _f32(value)
+
     if request.top_logprobs and not request.logprobs:
         raise InvalidArgument(f"top_logprobs={request.top_logprobs} needs logprobs=true", field="top_logprobs")
     return SamplingParams(
         n=request.n or 1,
-        temperature=_f32(s.temperature) if s.HasField("temperature") else 1.0,
-        top_p=_f32(s.top_p) if s.HasField("top_p") else 1.0,
-        top_k=s.top_k,
-        min_p=_f32(s.min_p),
+        temperature=given("temperature", 1.0),
+        top_p=given("top_p", 1.0),
+        top_k=given("top_k", 0),
+        min_p=given("min_p", 0.0),
         presence_penalty=_f32(s.presence_penalty),
         frequency_penalty=_f32(s.frequency_penalty),
-        repetition_penalty=_f32(s.repetition_penalty) if s.HasField("repetition_penalty") else 1.0,
+        repetition_penalty=given("repetition_penalty", 1.0),
         logit_bias={int(k): _f32(v) for k, v in s.logit_bias.items()} or None,
         bad_words=list(s.bad_words) or None,
         allowed_token_ids=list(s.allowed_token_ids) or None,

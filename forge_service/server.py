@@ -74,6 +74,8 @@ class LoadedModel:
     longest_token_chars: int | None = None  # for the length check before tokenizing
     hidden_size: int | None = None  # an embedding's length
     adapters: tuple[str, ...] = ()  # LoRA adapters served beside it, by name (--lora-modules)
+    # The model's values for sampling fields a request leaves unset (--generation-config auto).
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
     def served_name(self, params) -> str:
         """The name a request's responses, log line and trace carry: its adapter's, or the model's."""
@@ -227,7 +229,7 @@ async def _prepare(request: pb.GenerateRequest, model: LoadedModel, config: Serv
             check_prompt_chars(_prompt_chars(request), model.longest_token_chars, model.max_model_len)
     tools = convert.tools(request, model.tokenizer)
     with convert.request_fields():
-        params = convert.sampling_params(request, tools)
+        params = convert.sampling_params(request, tools, model.sampling_defaults)
         params.adapter = adapter
         params.validate(model.tokenizer.vocab_size)
     with blame(source):
@@ -358,7 +360,7 @@ class ForgeService:
         arch = getattr(engine, "arch", None)
         self.model = LoadedModel(async_engine, engine.tokenizer, engine.model_name, engine.max_model_len,
                                  int(time.time()), longest, getattr(arch, "hidden_size", None),
-                                 tuple(getattr(engine, "adapters", ())))
+                                 tuple(getattr(engine, "adapters", ())), dict(getattr(engine, "sampling_defaults", {})))
         # What loading made lives as long as the process: out of the collector's full passes, which
         # would otherwise walk it all (~190k objects on the default model, 70-220 ms with the GIL
         # held, stalling every stream) a few times a minute under load.

@@ -196,19 +196,21 @@ def write_gguf(
     path: str | os.PathLike[str], arch: ArchConfig, weights: Mapping[str, torch.Tensor],
     qtype: str = "F32", vocab: list[str] | None = None, chat_template: str | None = None,
     tensor_qtypes: Mapping[str, str] | None = None, architecture: str | None = None,
-    uint32_keys: Mapping[str, int] | None = None,
+    uint32_keys: Mapping[str, int] | None = None, float32_keys: Mapping[str, float] | None = None,
 ) -> Path:
     """A llama.cpp-style GGUF: Q/K rows permuted (Llama, SmolLM3; Qwen's are stored as they are), 1-D
     tensors F32, matrices in `qtype` (per-HF-name overrides in `tensor_qtypes`). A llama3
     `arch.rope_scaling` becomes a `rope_freqs.weight` tensor, as convert_hf_to_gguf writes it.
     `architecture` is general.architecture (arch.architecture unless given); `uint32_keys`: more
-    metadata (e.g. {"qwen3.pooling_type": 3})."""
+    metadata (e.g. {"qwen3.pooling_type": 3}), and `float32_keys` (e.g. {"general.sampling.temp": 0.6})."""
     architecture = architecture or arch.architecture
     w = gguf.GGUFWriter(str(path), architecture)
     permute = architecture in ("llama", "smollm3")  # convert_hf_to_gguf's LlamaModel and its SmolLM3Model
     _write_arch_metadata(w, arch)
     for key, value in (uint32_keys or {}).items():
         w.add_uint32(key, value)
+    for key, value in (float32_keys or {}).items():
+        w.add_float32(key, value)
     _write_vocab(w, arch, vocab or tiny_vocab(arch.vocab_size), chat_template)
     tensors = dict(weights)
     if arch.tie_word_embeddings:

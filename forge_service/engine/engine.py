@@ -27,6 +27,7 @@ from forge_service.models.registry import build_model
 from forge_service.runner.model_runner import ModelRunner, SampledToken
 from forge_service.sampling.bad_words import bad_word_ids
 from forge_service.structured import GrammarCompiler, MatcherSet
+from forge_service.sampling.model_defaults import model_sampling_defaults
 from forge_service.tokenizer import Tokenizer
 from forge_service.tokenizer.chat_template import read_chat_template
 
@@ -129,6 +130,11 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative, getattr(plan, "max_rows", None),
                                    getattr(plan, "row_block", 1))
         self.model_name = config.model.served_model_name or _name_from_path(path)
+        # What a served request leaves unset of these sampling fields; {}: Forge's defaults.
+        self.sampling_defaults = model_sampling_defaults(path) if config.model.generation_config == "auto" else {}
+        if self.sampling_defaults:
+            log.info("sampling defaults from the model's files (for fields a request leaves unset): %s",
+                     ", ".join(f"{k}={v}" for k, v in self.sampling_defaults.items()))
         self.adapters = self._load_adapters(config, backend)  # LoRA adapter name -> 1-based index
         self.eos_token_ids = tuple(self.arch.eos_token_ids or self.tokenizer.eos_token_ids)
         # Structured output: masks are as wide as the logits; the backend is built on first compile.

@@ -118,3 +118,28 @@ def test_serve_with_a_chat_template_that_cannot_serve_says_why(tmp_path, value, 
     cmd = [sys.executable, "-m", "forge_service.cli", "serve", "--host", "127.0.0.1", *ports,
            "--chat-template", value.format(dir=tmp_path)]
     assert_start_fails(cmd, None, reason.format(dir=tmp_path))
+
+
+def test_serve_gives_requests_the_model_s_sampling_defaults(tmp_path):
+    # generation_config.json says temperature 0: a request that sets none is greedy.
+    import httpx
+
+    from tests.integration.serving.servers import running_forge
+
+    arch = tiny_arch()
+    write_safetensors_dir(tmp_path, arch, random_weights(arch), tokenizer_json=tiny_tokenizer_json())
+    config = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0}))
+    with running_forge(["--model", str(tmp_path), "--dtype", "float32", "--log-level", "warning"]) as server:
+        server.wait_ready()
+        name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+
+        def tokens(**fields) -> list[str]:
+            body = {"model": name, "prompt": "hi there", "max_tokens": 8, "seed": 5, "logprobs": 0,
+                    "ignore_eos": True, **fields}
+            answer = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+            return answer.json()["choices"][0]["logprobs"]["tokens"]
+
+        unset, greedy, sampled = tokens(), tokens(temperature=0), tokens(temperature=1.0)
+    assert unset == greedy != sampled

@@ -302,9 +302,13 @@ def test_chat_completion_with_every_parameter(client: openai.OpenAI, fake: FakeF
 def test_chat_defaults_leave_optional_fields_unset(http: httpx.Client, fake: FakeForge) -> None:
     http.post("/v1/chat/completions", json=chat_body(max_tokens=9)).raise_for_status()
     [sent] = fake.requests
-    assert not sent.sampling.HasField("temperature") and not sent.sampling.HasField("seed")
+    assert not any(sent.sampling.HasField(name) for name in ("temperature", "top_p", "top_k", "min_p",
+                                                              "repetition_penalty", "seed"))
     assert not sent.HasField("num_speculative_tokens") and sent.prediction == ""
     assert sent.stopping.max_tokens == 9 and sent.n == 1 and not sent.logprobs
+    # A value the request gives is sent, even Forge's own default: the model's would take its place.
+    http.post("/v1/chat/completions", json=chat_body(top_k=0, min_p=0.0, temperature=1.0)).raise_for_status()
+    assert all(fake.requests[-1].sampling.HasField(name) for name in ("top_k", "min_p", "temperature"))
 
 
 def test_chat_stream_shape_with_usage(http: httpx.Client, client: openai.OpenAI, fake: FakeForge) -> None:
