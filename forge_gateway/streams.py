@@ -151,9 +151,10 @@ class CompletionStream(_Stream):
         return super().end()
 
     def _usage_so_far(self) -> dict[str, int]:
-        if self.prompt_only:
-            self.generated = 0
-        return super()._usage_so_far()
+        usage = super()._usage_so_far()
+        if self.prompt_only:  # billed as end() bills it
+            usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
+        return usage
 
     def _prompt(self, prompt: int, logprobs: pb.PromptLogprobs) -> list[dict[str, Any]]:
         """Each of the prompt's completions begins with the echoed prompt (its logprobs too)."""

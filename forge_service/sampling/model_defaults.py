@@ -20,7 +20,6 @@ from forge_service.loaders.gguf_file import read_gguf
 
 log = logging.getLogger(__name__)
 
-GENERATION_CONFIGS = ("auto", "forge")
 # The fields a model may set, as generation_config.json names them (SamplingParams' names too).
 FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
@@ -30,12 +29,16 @@ _GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": 
 def model_sampling_defaults(path: str) -> dict[str, float | int]:
     """The sampling defaults that the model at `path` (a .gguf file or a Hugging Face directory)
     sets; {} when it sets none. A value of the wrong type or out of range is left out, with a
-    warning (the model still serves)."""
+    warning (the model still serves). A path that is neither (a model built in memory) sets none."""
     if os.path.isdir(path):
         found = {k: v for k, v in _read_json(os.path.join(path, "generation_config.json")).items() if k in FIELDS}
-    else:
+    elif os.path.isfile(path) and path.endswith(".gguf"):
         fields = read_gguf(path).fields
         found = {name: fields[key].contents() for key, name in _GGUF_KEYS.items() if key in fields}
+        # float32 in the file: 0.95 reads as 0.949999988; its shortest decimal is what was written
+        found = {name: float(f"{v:.7g}") if isinstance(v, float) else v for name, v in found.items()}
+    else:
+        return {}
     return {name: value for name, value in found.items() if _usable(path, name, value)}
 
 
