@@ -24,11 +24,14 @@ class LLM:
                  spec_max_draft: int = 8, spec_ngram_min: int = 2, spec_ngram_max: int = 4,
                  spec_max_step_tokens: int = 16, spec_step_base_rows: float = 2.2,
                  scheduling_policy: str = "fcfs", lora_modules: str | None = None,
-                 max_lora_rank: int = 64, chat_template: str | None = None) -> None:
+                 max_lora_rank: int = 64, chat_template: str | None = None,
+                 generation_config: str = "auto") -> None:
+        """`generation_config`: "auto", prompts given no SamplingParams sample as the model's files
+        recommend (see forge_service/sampling/model_defaults.py); "forge": SamplingParams()'s defaults."""
         self.engine = LLMEngine(EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, device=device,
                               lora_modules=lora_modules, max_lora_rank=max_lora_rank,
-                              chat_template=chat_template),
+                              chat_template=chat_template, generation_config=generation_config),
             cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes, num_blocks=num_blocks,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
@@ -86,7 +89,7 @@ class LLM:
         order = []
         try:
             for prompt, text, p in zip(prompts, texts, params):
-                p = p or SamplingParams()
+                p = p or SamplingParams(**self.engine.sampling_defaults)
                 request_id = uuid.uuid4().hex
                 self.engine.add_request(request_id, prompt, p)
                 results[request_id] = RequestOutput(request_id, prompt, [CompletionOutput(i) for i in range(p.n)],

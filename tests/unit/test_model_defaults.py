@@ -63,6 +63,17 @@ def test_the_engine_reads_them_unless_told_not_to(tmp_path: Path, mode: str, exp
     assert engine.sampling_defaults == expected
 
 
+def test_the_offline_api_samples_as_the_model_recommends_when_given_no_params(tmp_path: Path) -> None:
+    from forge_service import LLM, SamplingParams
+
+    root = hf_model(tmp_path, {"temperature": 0.0})
+    llm = LLM(str(root), "float32", enable_prefix_caching=False)
+    greedy = llm.generate(["hi there"], SamplingParams(temperature=0))[0].outputs[0].token_ids
+    assert llm.generate(["hi there"])[0].outputs[0].token_ids == greedy  # the model says temperature 0
+    assert llm.generate(["hi there"], SamplingParams(temperature=1.0, seed=3))[0].outputs[0].token_ids != greedy
+    assert LLM(str(root), "float32", generation_config="forge").engine.sampling_defaults == {}
+
+
 def test_generation_config_must_be_auto_or_forge() -> None:
     with pytest.raises(ValueError, match="generation_config must be 'auto' or 'forge', got 'vllm'"):
         ModelConfig(generation_config="vllm")
