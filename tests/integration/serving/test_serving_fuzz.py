@@ -88,7 +88,8 @@ def any_value(rng: random.Random, depth: int = 0) -> Any:
     ][kind]()
 
 
-def mutated(rng: random.Random, base: dict[str, Any], fields: list[str]) -> dict[str, Any]:
+def mutated(rng: random.Random, base: dict[str, Any], fields: list[str], length: str | None = None) -> dict[str, Any]:
+    """`base` with one to four of `fields` changed; `length`: the route's output length field."""
     body = copy.deepcopy(base)
     if "stream_options" in fields and rng.random() < 0.4:  # streams, with usage or not, before mutations
         body["stream"] = True
@@ -102,7 +103,25 @@ def mutated(rng: random.Random, base: dict[str, Any], fields: list[str]) -> dict
             body[name] = copy.deepcopy(rng.choice(PLAUSIBLE[name]))
         else:
             body[name] = any_value(rng)
+    if length is not None:
+        bound_length(rng, body, length)
     return body
+
+
+LENGTHS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+LENGTH_FIELDS = {"/v1/chat/completions": "max_tokens", "/v1/completions": "max_tokens",
+                 "/v1/responses": "max_output_tokens"}
+
+
+def bound_length(rng: random.Random, body: dict[str, Any], length: str) -> None:
+    """Generation stays short: a length left out (up to the context, 8,192 tokens) or past 32 is
+    made small; one of another type or sign stays, for the server to refuse."""
+    lengths = [name for name in LENGTHS if name in body]
+    for name in lengths:
+        if isinstance(body[name], int) and not isinstance(body[name], bool) and body[name] > 32:
+            body[name] = rng.choice([1, 6, 16])
+    if not lengths:
+        body[length] = 6
 
 
 def http_routes(model: str) -> dict[str, tuple[dict[str, Any], list[str]]]:
@@ -203,7 +222,7 @@ def grpc_request(rng: random.Random) -> tuple[str, Message]:
     if isinstance(message, pb.GenerateRequest):
         if not message.WhichOneof("input") or rng.random() < 0.3:
             message.text = "Once upon a time"
-        if not message.HasField("stopping") or message.stopping.max_tokens > 17:
+        if not message.stopping.HasField("max_tokens") or message.stopping.max_tokens > 17:  # unset: 8,192
             message.stopping.max_tokens = rng.choice([1, 4, 8])
     return rpc, message
 
@@ -256,8 +275,12 @@ def test_random_http_requests_get_an_answer_or_a_4xx_and_spoil_no_other_stream(i
         with httpx.Client(base_url=idle_server.url, timeout=120) as client:
             for _ in range(HTTP_REQUESTS):
                 route = rng.choice(list(routes))
-                body = mutated(rng, *routes[route])
-                response = client.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
+                body = mutated(rng, *routes[route], LENGTH_FIELDS.get(route))
+                try:
+                    response = client.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
+                except httpx.TimeoutException:
+                    faults.append(f"no answer in 120 s: POST {route} {json.dumps(body)[:400]}")
+                    continue
                 statuses.add(response.status_code)
                 fault = http_fault(route, body, response)
                 if fault:
