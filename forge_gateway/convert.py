@@ -64,6 +64,8 @@ def constraint(req: _Common) -> dict[str, Any]:
         return {"json_object": True}
     if fmt is not None and fmt.type == "json_schema":
         return _schema_fields(fmt.json_schema.schema_, strict=bool(fmt.json_schema.strict))
+    if fmt is not None and fmt.type == "structural_tag":
+        return {"structural_tag": json.dumps({"structures": fmt.structures, "triggers": fmt.triggers})}
     if req.structured_outputs is not None:
         return _structured_outputs(req.structured_outputs)
     if req.guided_json is not None:
@@ -90,6 +92,8 @@ def _structured_outputs(so: StructuredOutputs) -> dict[str, Any]:
         return {"json_object": True}
     if so.choice is not None:
         return {"choice": pb.ChoiceList(choices=so.choice)}
+    if so.structural_tag is not None:
+        return {"structural_tag": so.structural_tag}
     return {"regex": so.regex} if so.regex is not None else {"grammar": so.grammar}
 
 

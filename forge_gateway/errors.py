@@ -61,7 +61,7 @@ class GatewayError(Exception):
 # theirs; chat.messages[i]... is messages[i]...).
 _PARAMS = {"text": "prompt", "token_ids": "prompt", "chat": "messages", "json_schema": "response_format",
            "json_object": "response_format", "regex": "guided_regex", "choice": "guided_choice",
-           "grammar": "guided_grammar"}
+           "grammar": "guided_grammar", "structural_tag": "response_format"}
 
 
 def openai_param(field: str | None) -> str | None:

@@ -106,13 +106,19 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     model_config = _CONFIG
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # vLLM's structural tags: free text in which each trigger opens one of the structures whose
+    # begin starts with it ({begin, schema, end}: the begin, JSON the schema admits, the end).
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type 'json_schema' needs a json_schema object with name and schema")
+        if self.type == "structural_tag" and (not self.structures or not self.triggers):
+            raise ValueError("type 'structural_tag' needs structures ({begin, schema, end} objects) and triggers")
         return self
 
 
@@ -129,7 +135,7 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = None  # GBNF or Lark
     json_object: bool | None = None
-    structural_tag: str | None = None
+    structural_tag: str | None = None  # JSON text: {"structures": [...], "triggers": [...]}
     whitespace_pattern: str | None = None
     # Objects without additionalProperties admit only their declared properties (strict mode).
     disable_additional_properties: bool = False
@@ -139,19 +145,18 @@ class StructuredOutputs(BaseModel):
 
     @model_validator(mode="after")
     def _one(self) -> StructuredOutputs:
-        for name in ("structural_tag", "whitespace_pattern"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name} is not supported")
+        if self.whitespace_pattern is not None:
+            raise ValueError("whitespace_pattern is not supported")
         asked = self.kinds()
         if len(asked) != 1:
-            raise ValueError(f"exactly one of json, regex, choice, grammar or json_object must be set, got "
+            raise ValueError(f"exactly one of json, regex, choice, grammar, json_object or structural_tag must be set, got "
                              f"{', '.join(asked) or 'none'}")
         return self
 
     def kinds(self) -> list[str]:
         """The constraints set, by vLLM's names."""
         values = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-                  "json_object": self.json_object or None}
+                  "json_object": self.json_object or None, "structural_tag": self.structural_tag}
         return [name for name, value in values.items() if value is not None]
 
 

@@ -46,7 +46,7 @@ SERVING_STATE_READY: ServingState
 SERVING_STATE_DRAINING: ServingState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "request_id", "text", "chat", "token_ids", "sampling", "stopping", "n", "logprobs", "top_logprobs", "prompt_logprobs", "priority", "truncate_prompt_tokens", "include_reasoning", "json_schema", "json_object", "regex", "choice", "grammar", "tools", "tool_choice", "parallel_tool_calls", "json_schema_strict", "num_speculative_tokens", "prediction")
+    __slots__ = ("model", "request_id", "text", "chat", "token_ids", "sampling", "stopping", "n", "logprobs", "top_logprobs", "prompt_logprobs", "priority", "truncate_prompt_tokens", "include_reasoning", "json_schema", "json_object", "regex", "choice", "grammar", "structural_tag", "tools", "tool_choice", "parallel_tool_calls", "json_schema_strict", "num_speculative_tokens", "prediction")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class GenerateRequest(_message.Message):
     REGEX_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
@@ -91,13 +92,14 @@ class GenerateRequest(_message.Message):
     regex: str
     choice: ChoiceList
     grammar: str
+    structural_tag: str
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
     tool_choice: ToolChoice
     parallel_tool_calls: bool
     json_schema_strict: bool
     num_speculative_tokens: int
     prediction: str
-    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., include_reasoning: _Optional[bool] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., json_schema_strict: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., prediction: _Optional[str] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., include_reasoning: _Optional[bool] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ..., structural_tag: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., json_schema_strict: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., prediction: _Optional[str] = ...) -> None: ...
 
 class Tool(_message.Message):
     __slots__ = ("name", "description", "parameters", "strict")

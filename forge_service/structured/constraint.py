@@ -13,6 +13,8 @@ KINDS: dict[str, str] = {
     "choice": "a JSON list of strings; the output is exactly one of them",
     "grammar": "a context-free grammar: GBNF (llama.cpp EBNF, `root ::= ...`) or Lark (`start: ...`)",
     "tool_calls": "a forge_service.tools.grammar.ToolGrammarSpec as JSON: tool calls in the model's format",
+    "structural_tag": 'JSON {"structures": [{"begin", "schema", "end"}], "triggers": [...]}: free text in which '
+                      "each trigger opens a structure: its begin, JSON its schema admits, its end",
 }
 
 

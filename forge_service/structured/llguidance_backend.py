@@ -115,10 +115,38 @@ def _cfg(spec: str) -> str:
     return llguidance.grammar_from("grammar", spec)  # GBNF is converted to Lark; Lark passes through
 
 
+def _structural_tag(spec: str) -> str:
+    """Free text in which each trigger opens one of the structures whose begin starts with it.
+    Triggers are matched as text (a trigger that is a special token's text matches that token's
+    bytes only where the tokenizer spells it as text)."""
+    try:
+        tag = json.loads(spec)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise InvalidArgument(f"structural_tag is not valid JSON: {_reason(e)}") from e
+    structures = tag.get("structures") if isinstance(tag, dict) else None
+    triggers = tag.get("triggers") if isinstance(tag, dict) else None
+    if not isinstance(structures, list) or not structures or not all(isinstance(s, dict) for s in structures):
+        raise InvalidArgument("structural_tag needs `structures`, a non-empty list of {begin, schema, end} objects")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise InvalidArgument("structural_tag needs `triggers`, a non-empty list of non-empty strings")
+    tags = []
+    for i, structure in enumerate(structures):
+        begin, end, schema = structure.get("begin"), structure.get("end"), structure.get("schema", True)
+        if not isinstance(begin, str) or not isinstance(end, str):
+            raise InvalidArgument(f"structural_tag structures[{i}]: begin and end must be strings")
+        trigger = next((t for t in sorted(triggers, key=len, reverse=True) if begin.startswith(t)), None)
+        if trigger is None:
+            raise InvalidArgument(f"structural_tag structures[{i}]: its begin {begin[:80]!r} starts with none of "
+                                  "the triggers")
+        schema = prepare_schema(schema, f"structural_tag structures[{i}] schema")[0]
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=json.dumps(schema), end=end))
+    return llguidance.LLMatcher.grammar_from_lark(llguidance.StructTag.to_grammar(tags, assume_special=False))
+
+
 # kind -> llguidance grammar text. ValueError from llguidance carries its reason.
 GRAMMAR_BUILDERS: dict[str, Callable[[str], str]] = {
     "json_schema": _json_schema, "json_object": _json_object, "choice": _choice, "regex": _regex, "grammar": _cfg,
-    "tool_calls": _tool_calls,
+    "tool_calls": _tool_calls, "structural_tag": _structural_tag,
 }
 
 

@@ -176,6 +176,25 @@ def test_structured_outputs_constrain_the_output(client: openai.OpenAI, model: s
     assert re.fullmatch(REGEXES[0][1], completion.choices[0].text), completion.choices[0].text
 
 
+def test_structural_tags_constrain_only_what_follows_a_trigger(client: openai.OpenAI, model: str) -> None:
+    """vLLM's structural_tag on the real model: the text is free, but wherever the trigger " the"
+    comes, a JSON integer follows it at once (unconstrained, " the" is followed by words)."""
+    prompt = [{"role": "user", "content": "Tell me about the history of the printing press."}]
+    plain = client.chat.completions.create(model=model, messages=prompt, temperature=0, max_tokens=40)
+    assert re.search(r" the [a-z]", plain.choices[0].message.content)
+    fmt = {"type": "structural_tag", "triggers": [" the"],
+           "structures": [{"begin": " the", "schema": {"type": "integer"}, "end": ""}]}
+    tagged = client.chat.completions.create(model=model, messages=prompt, temperature=0, max_tokens=40,
+                                            response_format=fmt)
+    text = tagged.choices[0].message.content
+    assert text.count(" the") >= 1 and len(re.findall(r" the-?\d", text)) == text.count(" the"), text
+    # The same through structured_outputs, as JSON text.
+    so = client.chat.completions.create(model=model, messages=prompt, temperature=0, max_tokens=40,
+                                        extra_body={"structured_outputs": {"structural_tag": json.dumps(
+                                            {"triggers": fmt["triggers"], "structures": fmt["structures"]})}})
+    assert so.choices[0].message.content == text
+
+
 def test_bad_constraint_over_grpc_is_invalid_argument(server: ForgeProcess) -> None:
     with pytest.raises(grpc.RpcError) as error:
         server.stub.Generate(pb.GenerateRequest(text="x", regex="[z-a]"), timeout=30)

@@ -39,6 +39,14 @@ def compiler(tok):
     c.shutdown()
 
 
+# vLLM's structural tags: free text, and a JSON call where a trigger appears.
+STRUCTURAL_TAG = json.dumps({"triggers": ["<function="], "structures": [
+    {"begin": "<function=get_weather>", "end": "</function>",
+     "schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                "additionalProperties": False}},
+    {"begin": "<function=get_time>", "end": "</function>", "schema": {"type": "object", "additionalProperties": False}}]})
+
+
 def ids(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False).ids
 
@@ -78,6 +86,13 @@ def drive(m: GrammarMatcher, tokens: list[int]) -> bool:
     ("choice", "[]", "non-empty"),
     ("grammar", "root ::= foo", "foo"),
     ("grammar", "start: foo", "foo"),
+    ("structural_tag", "{", "not valid JSON"),
+    ("structural_tag", '{"structures": [], "triggers": ["<f"]}', "non-empty list of {begin, schema, end}"),
+    ("structural_tag", '{"structures": [{"begin": "<f>", "end": "</f>"}]}', "`triggers`"),
+    ("structural_tag", '{"structures": [{"begin": "<g>", "end": ""}], "triggers": ["<f"]}', "none of the triggers"),
+    ("structural_tag", '{"structures": [{"begin": "<f>", "end": 1}], "triggers": ["<f"]}', "must be strings"),
+    ("structural_tag", '{"structures": [{"begin": "<f>", "schema": {"type": "strin"}, "end": ""}], "triggers": ["<f"]}',
+     "strin"),
 ])
 def test_invalid_constraint_raises_invalid_argument_with_reason(compiler, kind, spec, reason):
     with pytest.raises(InvalidArgument, match=reason) as e:
@@ -167,6 +182,11 @@ def test_eos_allowed_exactly_when_the_grammar_can_end(compiler, tok):
     ("grammar", 'start: "x" DIGITS\nDIGITS: /[0-9]+/', "x12", "x"),
     ("json_object", "", '{"a": [1, {"b": null}]}', "[1]"),
     ("json_schema", "true", '"anything"', "{"),
+    ("structural_tag", STRUCTURAL_TAG, 'Sure. <function=get_weather>{"city": "Paris"}</function> Done.',
+     'Sure. <function=get_weather>{"town": "Paris"}</function>'),
+    ("structural_tag", STRUCTURAL_TAG, "No call at all, just text.", "<function=get_date>{}</function>"),
+    ("structural_tag", STRUCTURAL_TAG, '<function=get_time>{}</function><function=get_weather>{"city": "P"}</function>',
+     '<function=get_weather>{"city": "P"}'),
 ])
 def test_constraint_kinds(compiler, tok, kind, spec, good, bad):
     assert drive(matcher(compiler, kind, spec), ids(tok, good))

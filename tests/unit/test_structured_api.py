@@ -23,6 +23,7 @@ from tests.unit.test_server_fake_engine import code_of, run, text_request
 
 pytestmark = pytest.mark.timeout(60)
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TAG_TEXT = json.dumps({"structures": [{"begin": "<f=a>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f="]})
 
 
 # --- proto -> SamplingParams.constraint --------------------------------------------------------
@@ -35,6 +36,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
     ({"regex": "a+"}, Constraint("regex", "a+")),
     ({"choice": pb.ChoiceList(choices=["x", 'y "z"'])}, Constraint("choice", '["x", "y \\"z\\""]')),
     ({"grammar": 'root ::= "a"'}, Constraint("grammar", 'root ::= "a"')),
+    ({"structural_tag": '{"triggers": ["<f"]}'}, Constraint("structural_tag", '{"triggers": ["<f"]}')),
 ])
 def test_the_constraint_oneof_maps_to_a_constraint(fields, expected):
     assert convert.sampling_params(pb.GenerateRequest(text="x", **fields)).constraint == expected
@@ -135,6 +137,8 @@ def test_gateway_maps_every_constraint_field():
     assert _chat(guided_regex="a+").regex == "a+"
     assert list(_chat(guided_choice=["x", "y"]).choice.choices) == ["x", "y"]
     assert _chat(guided_grammar='root ::= "a"').grammar == 'root ::= "a"'
+    tag = _chat(response_format={"type": "structural_tag", **json.loads(TAG_TEXT)}).structural_tag
+    assert json.loads(tag) == json.loads(TAG_TEXT)
     completion = CompletionRequest(model="m", prompt=["a", "b"], guided_regex="b+")
     assert [m.regex for m in gateway_convert.completion_requests(completion, "id")] == ["b+", "b+"]
 
@@ -150,6 +154,7 @@ def test_gateway_maps_vllm_s_structured_outputs():
     assert _chat(structured_outputs={"regex": "a+", "disable_fallback": True}).regex == "a+"
     assert list(_chat(structured_outputs={"choice": ["x", "y"]}).choice.choices) == ["x", "y"]
     assert _chat(structured_outputs={"grammar": 'root ::= "a"'}).grammar == 'root ::= "a"'
+    assert _chat(structured_outputs={"structural_tag": TAG_TEXT}).structural_tag == TAG_TEXT
     completion = CompletionRequest(model="m", prompt="a", structured_outputs={"choice": ["b"]})
     assert list(gateway_convert.completion_requests(completion, "id")[0].choice.choices) == ["b"]
 
@@ -160,7 +165,8 @@ def test_gateway_maps_vllm_s_structured_outputs():
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs"),
-    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "{}", "regex": "a"}}, "structured_outputs"),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<f>", "end": ""}]}}, "response_format"),
     ({"structured_outputs": {"regex": "a", "backend": "xgrammar"}}, "structured_outputs.backend"),
     ({"structured_outputs": {"regex": "a"}, "guided_regex": "a"}, None),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, None),
