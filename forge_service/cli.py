@@ -8,17 +8,17 @@ import sys
 
 def _generate(args: argparse.Namespace) -> int:
     from forge_service import LLM, SamplingParams
-    from forge_service.errors import ForgeError
+    from forge_service.errors import ForgeError, StartupError
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                             top_p=args.top_p, top_k=args.top_k)
     try:
-        llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
+        llm = LLM(model=args.model, dtype=args.dtype, device=args.device, chat_template=args.chat_template)
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
         else:
             out = llm.generate(args.prompt, params)[0]
-    except ForgeError as e:
+    except (ForgeError, StartupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     completion = out.outputs[0]
@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    gen.add_argument("--chat-template", default=None,
+                     help="with --chat: a chat template in place of the model's (a Jinja file's path or the template)")
     gen.set_defaults(func=_generate)
     serve.set_defaults(func=_serve)
     return parser

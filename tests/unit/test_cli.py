@@ -27,6 +27,21 @@ def test_generate_prints_the_offline_result(tmp_path):
     assert out["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
 
 
+def test_generate_with_a_chat_template_of_its_own(tmp_path):
+    arch = tiny_arch()
+    write_safetensors_dir(tmp_path, arch, random_weights(arch), tokenizer_json=tiny_tokenizer_json())  # no template
+    cmd = [sys.executable, "-m", "forge_service.cli", "generate", "--model", str(tmp_path), "--prompt", "hi there",
+           "--chat", "--max-tokens", "2", "--dtype", "float32", "--json"]
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    out = json.loads(subprocess.run([*cmd, "--chat-template", template], check=True, capture_output=True,
+                                    text=True).stdout)
+    want = LLM(model=str(tmp_path), dtype="float32").tokenizer.encode("[hi there]", add_special_tokens=False)
+    assert out["usage"]["prompt_tokens"] == len(want)
+    bad = subprocess.run([*cmd, "--chat-template", "{% for %}"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: chat_template: chat template does not compile")
+    assert "Traceback" not in bad.stderr
+
+
 def test_generate_reports_bad_input(tmp_path):
     cmd = [sys.executable, "-m", "forge_service.cli", "generate", "--model", str(tmp_path / "missing.gguf"),
            "--prompt", "x"]
