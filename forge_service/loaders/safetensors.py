@@ -29,8 +29,8 @@ _POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"
 
 def load_safetensors(path: str, dtype: torch.dtype) -> Checkpoint:
     root = Path(path)
-    config = _read_json(root / "config.json", required=True)
-    generation = _read_json(root / "generation_config.json", required=False)
+    config = read_json(root / "config.json", required=True)
+    generation = read_json(root / "generation_config.json", required=False)
     config_path = str(root / "config.json")
     arch = check_arch(config_path, arch_from_hf_config(config_path, config, generation, _pooling(root)))
     files = _tensor_files(root)  # name in the files -> file holding it
@@ -100,7 +100,7 @@ def _nope_layers(path: str, config: dict[str, Any], key: str) -> tuple[int, ...]
 
 def _pooling(root: Path) -> str | None:
     """The pooling a sentence-transformers model declares (1_Pooling/config.json), if any."""
-    modes = _read_json(root / "1_Pooling" / "config.json", required=False)
+    modes = read_json(root / "1_Pooling" / "config.json", required=False)
     chosen = sorted(_POOLING.get(name, name.removeprefix("pooling_mode_")) for name, on in modes.items()
                     if name.startswith("pooling_mode_") and on is True)
     return "+".join(chosen) or None
@@ -167,7 +167,9 @@ def _token_ids(path: str, value: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _read_json(file: Path, required: bool) -> dict[str, Any]:
+def read_json(file: Path, required: bool) -> dict[str, Any]:
+    """A model directory's JSON file as an object; {} for a missing file that is not `required`.
+    ModelLoadError naming the file when it is missing but required, unreadable, or not an object."""
     if not file.is_file():
         if required:
             raise ModelLoadError(str(file), "file not found")
@@ -184,7 +186,7 @@ def _read_json(file: Path, required: bool) -> dict[str, Any]:
 def _tensor_files(root: Path) -> dict[str, Path]:
     single, index = root / SINGLE_FILE, root / INDEX_FILE
     if index.is_file():
-        weight_map = _read_json(index, required=True).get("weight_map")
+        weight_map = read_json(index, required=True).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelLoadError(str(index), "no weight_map object")
         shards = {f: _shard_path(root, index, f) for f in set(weight_map.values())}

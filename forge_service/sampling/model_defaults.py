@@ -9,14 +9,15 @@ everything else off). GGUF's general.sampling.penalty_repeat is not taken: it pe
 last penalty_last_n tokens, which is not what repetition_penalty means here."""
 from __future__ import annotations
 
-import json
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from forge_service.engine.request import SamplingParams
-from forge_service.errors import InvalidArgument, ModelLoadError
+from forge_service.errors import InvalidArgument
 from forge_service.loaders.gguf_file import read_gguf
+from forge_service.loaders.safetensors import read_json
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def model_sampling_defaults(path: str) -> dict[str, float | int]:
     sets; {} when it sets none. A value of the wrong type or out of range is left out, with a
     warning (the model still serves). A path that is neither (a model built in memory) sets none."""
     if os.path.isdir(path):
-        found = {k: v for k, v in _read_json(os.path.join(path, "generation_config.json")).items() if k in FIELDS}
+        found = {k: v for k, v in read_json(Path(path, "generation_config.json"), required=False).items() if k in FIELDS}
     elif os.path.isfile(path) and path.endswith(".gguf"):
         fields = read_gguf(path).fields
         found = {name: fields[key].contents() for key, name in _GGUF_KEYS.items() if key in fields}
@@ -56,13 +57,3 @@ def _usable(path: str, name: str, value: Any) -> bool:
         log.warning("%s: the model's default %s=%r is not used: %s", path, name, value, problem)
     return problem is None
 
-
-def _read_json(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ModelLoadError(path, f"cannot read it as JSON ({error})") from error
-    return data if isinstance(data, dict) else {}

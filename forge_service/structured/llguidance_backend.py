@@ -129,12 +129,13 @@ def _structural_tag(spec: str) -> str:
         raise InvalidArgument("structural_tag needs `structures`, a non-empty list of {begin, schema, end} objects")
     if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
         raise InvalidArgument("structural_tag needs `triggers`, a non-empty list of non-empty strings")
+    longest_first = sorted(triggers, key=len, reverse=True)  # a begin takes the longest trigger it starts with
     tags = []
     for i, structure in enumerate(structures):
         begin, end, schema = structure.get("begin"), structure.get("end"), structure.get("schema", True)
         if not isinstance(begin, str) or not isinstance(end, str):
             raise InvalidArgument(f"structural_tag structures[{i}]: begin and end must be strings")
-        trigger = next((t for t in sorted(triggers, key=len, reverse=True) if begin.startswith(t)), None)
+        trigger = next((t for t in longest_first if begin.startswith(t)), None)
         if trigger is None:
             raise InvalidArgument(f"structural_tag structures[{i}]: its begin {begin[:80]!r} starts with none of "
                                   "the triggers")
