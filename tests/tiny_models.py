@@ -132,19 +132,20 @@ def write_safetensors_dir(
     dir: str | os.PathLike[str], arch: ArchConfig, weights: Mapping[str, torch.Tensor],
     tokenizer_json: str | None = None, chat_template: str | None = None,
     eos_token_id: int | list[int] | None = ..., shards: int = 1, dtype: torch.dtype = torch.float32,
-    config_overrides: Mapping[str, Any] | None = None,
+    config_overrides: Mapping[str, Any] | None = None, generation: Mapping[str, Any] | None = None,
 ) -> Path:
     """A Hugging Face Llama directory. `eos_token_id` goes to generation_config.json
-    (default: all of arch.eos_token_ids; None leaves it out); `shards` > 1 writes an index."""
+    (default: all of arch.eos_token_ids; None leaves it out), and `generation`'s entries (e.g. a
+    sampling temperature); `shards` > 1 writes an index."""
     root = Path(dir)
     root.mkdir(parents=True, exist_ok=True)
     _write_json(root / "config.json", hf_config(arch, **(config_overrides or {})))
-    generation: dict[str, Any] = {"bos_token_id": arch.bos_token_id}
+    generation_config: dict[str, Any] = {"bos_token_id": arch.bos_token_id}
     if eos_token_id is ...:
         eos_token_id = list(arch.eos_token_ids)
     if eos_token_id is not None:
-        generation["eos_token_id"] = eos_token_id
-    _write_json(root / "generation_config.json", generation)
+        generation_config["eos_token_id"] = eos_token_id
+    _write_json(root / "generation_config.json", {**generation_config, **(generation or {})})
     vocab = tiny_vocab(max(arch.vocab_size, len(SPECIAL_TOKENS) + 256))
     tokenizer_config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
                                         "bos_token": vocab[arch.bos_token_id or 0],

@@ -142,9 +142,8 @@ def test_serve_gives_requests_the_model_s_sampling_defaults(tmp_path):
     from tests.integration.serving.servers import running_forge
 
     arch = tiny_arch()
-    write_safetensors_dir(tmp_path, arch, random_weights(arch), tokenizer_json=tiny_tokenizer_json())
-    config = json.loads((tmp_path / "generation_config.json").read_text())
-    (tmp_path / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0}))
+    write_safetensors_dir(tmp_path, arch, random_weights(arch), tokenizer_json=tiny_tokenizer_json(),
+                          generation={"temperature": 0.0})
     with running_forge(["--model", str(tmp_path), "--dtype", "float32", "--log-level", "warning"]) as server:
         server.wait_ready()
         name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]

@@ -2,7 +2,6 @@
 (generation_config.json, GGUF general.sampling.*); values the model sets wrongly are left out."""
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -18,10 +17,8 @@ from tests.tiny_models import random_weights, tiny_arch, tiny_tokenizer_json, wr
 
 def hf_model(root: Path, generation: dict) -> Path:
     arch = tiny_arch()
-    write_safetensors_dir(root, arch, random_weights(arch), tokenizer_json=tiny_tokenizer_json())
-    config = json.loads((root / "generation_config.json").read_text())
-    (root / "generation_config.json").write_text(json.dumps({**config, **generation}))
-    return root
+    return write_safetensors_dir(root, arch, random_weights(arch), tokenizer_json=tiny_tokenizer_json(),
+                                 generation=generation)
 
 
 def test_a_hugging_face_model_s_generation_config(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
