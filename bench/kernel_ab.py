@@ -33,17 +33,20 @@ def sources_at(revision: str, into: Path) -> list[Path]:
     from forge_service.backends import cpu_kernels
 
     paths = []
-    for source in cpu_kernels.SOURCES:
+    header = cpu_kernels.SOURCES[0].parent / cpu_kernels.AVX2_HEADER  # the AVX2 build's, written beside them
+    for source in [*cpu_kernels.SOURCES, header]:
         relative = source.relative_to(ROOT)
         if revision == "worktree":
             text = source.read_text()
         else:
-            text = subprocess.run(["git", "show", f"{revision}:{relative}"], cwd=ROOT, capture_output=True,
-                                  text=True, check=True).stdout
+            shown = subprocess.run(["git", "show", f"{revision}:{relative}"], cwd=ROOT, capture_output=True, text=True,
+                                   check=source != header)  # a revision before the AVX2 build has no header
+            text = shown.stdout
         path = into / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-        paths.append(path)
+        if path.suffix == ".c":
+            paths.append(path)
     return paths
 
 

@@ -6,8 +6,11 @@ int8 per group (AVX-512 VNNI). Decode steps are bound by reading weights; these 
 at close to memory speed where torch's 4-bit kernel dequantises each weight to float first.
 ops.c holds the bf16 path's norms, SiLU, rotary and attention, one call each.
 
-Where they cannot run (no C compiler, a CPU without AVX-512 VNNI, FORGE_CPU_KERNELS=torch), the
-callers keep torch's kernels: `library()` returns None.
+They are written for AVX-512 (VNNI). On a CPU without it but with AVX2, FMA and F16C (AMD before
+Zen 4, Intel client cores) the same sources are built on native/cpu/avx2.h, which gives each
+AVX-512 operation they use as two 256-bit halves, to the same bits. FORGE_CPU_KERNELS=avx2 takes
+that build on any such CPU (to compare the two). Where neither can run (no C compiler, a CPU
+without AVX2, FORGE_CPU_KERNELS=torch), the callers keep torch's kernels: `library()` returns None.
 """
 from __future__ import annotations
 
@@ -31,6 +34,11 @@ SOURCES = sorted((Path(__file__).resolve().parents[2] / "native" / "cpu").glob("
 CACHE_DIR = Path.home() / ".cache" / "forge" / "cpu"
 FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512dq", "-mf16c",
          "-mfma", "-fopenmp", "-shared", "-fPIC"]
+# The same sources for CPUs with AVX2 but not AVX-512 VNNI: avx2.h (beside them), included first,
+# supplies the AVX-512 operations they use.
+AVX2_FLAGS = ["-O3", "-std=c11", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-DFORGE_AVX2"]
+AVX2_HEADER = "avx2.h"
+AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma"})
 GROUP = 32  # inputs per scale
 # With two activation levels, the second covers only the groups that hold one of the row's large
 # values: amax > FINE_ABOVE x the row's RMS. The first level's rounding error is amax / 254 per
@@ -60,8 +68,11 @@ class QuantWeight:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they cannot run here."""
-    if os.environ.get("FORGE_CPU_KERNELS", "native") == "torch":
+    choice = os.environ.get("FORGE_CPU_KERNELS", "native")
+    if choice == "torch":
         return None
+    if choice not in ("native", "avx2"):
+        log.warning("FORGE_CPU_KERNELS=%s is not native, avx2 or torch; taking native", choice)
     try:
         lib = ctypes.CDLL(str(build_for_this_cpu()))
     except subprocess.CalledProcessError as error:
@@ -71,7 +82,7 @@ def library() -> ctypes.CDLL | None:
         log.warning("native CPU kernels unavailable, using torch's: %s", error)
         return None
     if not lib.forge_supported():
-        log.info("this CPU lacks AVX-512 VNNI; using torch's kernels")
+        log.info("this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C; using torch's kernels")
         return None
     return declare(lib)
 
@@ -105,17 +116,34 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def cpu_has_bf16_dot() -> bool:
-    """Whether this CPU has AVX512-BF16 (VDPBF16PS), which attention's scores use where present."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo's; none where it cannot be read)."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in cpuinfo.splitlines())
+        return frozenset()
+    return next((frozenset(line.split(":", 1)[1].split()) for line in cpuinfo.splitlines()
+                 if line.startswith("flags")), frozenset())
 
 
-def build_flags(bf16_dot: bool | None = None) -> list[str]:
-    """The compiler flags: FLAGS, and -mavx512bf16 where the CPU has it (`bf16_dot`: this CPU's)."""
+def cpu_has_bf16_dot() -> bool:
+    """Whether this CPU has AVX512-BF16 (VDPBF16PS), which attention's scores use where present."""
+    return "avx512_bf16" in cpu_flags()
+
+
+def cpu_runs_avx512() -> bool:
+    """Whether this CPU runs the AVX-512 build (else the AVX2 one is built for it)."""
+    return AVX512_CPU_FLAGS <= cpu_flags()
+
+
+def build_flags(bf16_dot: bool | None = None, avx512: bool | None = None) -> list[str]:
+    """The compiler flags: FLAGS, and -mavx512bf16 where the CPU has it (`bf16_dot`: this CPU's), or
+    AVX2_FLAGS where it lacks AVX-512 VNNI or FORGE_CPU_KERNELS=avx2 asks for them (`avx512`: not)."""
+    if avx512 is None:
+        avx512 = cpu_runs_avx512() and os.environ.get("FORGE_CPU_KERNELS") != "avx2"
+    if not avx512:
+        return AVX2_FLAGS
     return FLAGS + (["-mavx512bf16"] if (cpu_has_bf16_dot() if bf16_dot is None else bf16_dot) else [])
 
 
@@ -126,7 +154,7 @@ def build_for_this_cpu() -> Path:
     try:
         return _build(flags)
     except subprocess.CalledProcessError as error:
-        if flags == FLAGS:
+        if flags in (FLAGS, AVX2_FLAGS):
             raise
         log.warning("the compiler refused -mavx512bf16, building without it: %s", error.stderr)
         return _build(FLAGS)
@@ -136,7 +164,10 @@ def _build(flags: list[str]) -> Path:
     """The library built with `flags`, from the cache when it is there."""
     compiler = os.environ.get("CC", "cc")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    texts = [p.read_text() for p in SOURCES]
+    header = SOURCES[0].parent / AVX2_HEADER
+    if "-DFORGE_AVX2" in flags:
+        flags = [*flags, "-include", str(header)]
+    texts = [p.read_text() for p in [*SOURCES, header]]
     key = hashlib.sha256("\n".join([*texts, " ".join(flags), version]).encode()).hexdigest()[:16]
     target = CACHE_DIR / f"forge_cpu-{key}.so"
     if target.exists():

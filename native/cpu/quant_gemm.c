@@ -61,9 +61,13 @@ enum { OK = 0, BAD_SHAPE = 1, NO_MEMORY = 2 };
 
 int forge_supported(void) {
     __builtin_cpu_init();
+#ifdef FORGE_AVX2  /* the AVX2 build (avx2.h) */
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+#else
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
            __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+#endif
 }
 
 static inline __m512 load16(const void *x, int bf16, int64_t at) {
@@ -172,6 +176,49 @@ static inline __attribute__((always_inline)) void unpack(int q4, const uint8_t *
     }
 }
 
+#ifdef FORGE_AVX2
+/* The AVX2 build has no VPDPBUSD (4 unsigned x signed byte products a lane, summed exactly into
+ * int32). Its group dots come from VPMADDUBSW (pairs of such products summed into int16, saturating)
+ * and VPMADDWD, one row's group at a time and each half of a tile apart (8 int32 lanes), kept exact
+ * by what the codes can be:
+ *   q4, codes 0..15: a pair is at most 2 x 15 x 127 = 3,810, so the 8 chunks' pairs add up in int16
+ *     (at most 30,480) before one VPMADDWD: two instructions a chunk.
+ *   q8, codes 0..255 (a signed code c + 128): c's magnitude (at most 128) against x with c's sign
+ *     (|x| <= 127: a pair fits int16), widened a chunk at a time. That is sum(c x), the signed dot,
+ *     which the VNNI build reaches from its start, -128 sum(x) (quantize_rows' xo): `start` is not
+ *     needed and not read.
+ * Each int32 lane then holds the sum the VNNI build's lane does, so the float arithmetic after it
+ * gives the same bits. */
+static inline __attribute__((always_inline)) __m256i broadcast4(const int8_t *x) {
+    int32_t four;
+    memcpy(&four, x, sizeof four);
+    return _mm256_set1_epi32(four);
+}
+
+static inline __attribute__((always_inline)) __m512i group_dot(int q4, __m512i start, const __m512i *chunk,
+                                                               const int8_t *x) {
+    const __m256i one = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    __m512i dot;
+    for (int h = 0; h < 2; h++) {
+        __m256i sum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+            const __m256i codes = h ? chunk[c].hi : chunk[c].lo, xs = broadcast4(x + 4 * c);
+            if (q4) {
+                sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(codes, xs));
+            } else {
+                const __m256i signed_codes = _mm256_xor_si256(codes, flip);
+                const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(signed_codes, signed_codes),
+                                                           _mm256_sign_epi8(xs, signed_codes));
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, one));
+            }
+        }
+        if (q4) sum = _mm256_add_epi32(h ? start.hi : start.lo, _mm256_madd_epi16(sum, one));
+        if (h) dot.hi = sum; else dot.lo = sum;
+    }
+    return dot;
+}
+#else
 /* dot += codes (16 lanes of 4 unsigned bytes) . the 4 signed bytes at x, broadcast to every lane by
  * the instruction itself (an embedded {1to16} memory operand): GCC does not fold a broadcast into
  * VNNI's source, and as a separate instruction it costs a vector uop per product. */
@@ -179,10 +226,17 @@ static inline __attribute__((always_inline)) __m512i dpbusd_at(__m512i dot, __m5
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(dot) : "v"(codes), "m"(*(const int32_t *)x));
     return dot;
 }
+#endif
 
-static inline __m512i dot8(__m512i dot, const __m512i *chunk, const int8_t *x) {  /* + one row's group */
+static inline __m512i dot8(int q4, __m512i dot, const __m512i *chunk,
+                           const int8_t *x) {  /* + one row's group */
+#ifdef FORGE_AVX2
+    return group_dot(q4, dot, chunk, x);
+#else
+    (void)q4;
     for (int c = 0; c < 8; c++) dot = dpbusd_at(dot, chunk[c], x + 4 * c);
     return dot;
+#endif
 }
 
 /* One tile of 16 weight rows against the R rows of block b -> y[R][16]: the first level over every
@@ -223,6 +277,10 @@ static inline __attribute__((always_inline)) void tile(int q4, int unpacked, con
         __m512i dot[ROWS];
 #pragma GCC unroll 8
         for (int i = 0; i < R; i++) dot[i] = q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(xo[2 * (slot + i)]);
+#ifdef FORGE_AVX2
+#pragma GCC unroll 8
+        for (int i = 0; i < R; i++) dot[i] = group_dot(q4, dot[i], chunk, ab + i * GROUP);
+#else
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++) {
 #pragma GCC unroll 8
@@ -230,6 +288,7 @@ static inline __attribute__((always_inline)) void tile(int q4, int unpacked, con
                 dot[i] = dpbusd_at(dot[i], chunk[c], ab + i * GROUP + 4 * c);
             }
         }
+#endif
         const __m512 wd = halves(wd16 + g * TILE);
 #pragma GCC unroll 8
         for (int i = 0; i < R; i++)
@@ -250,7 +309,7 @@ static inline __attribute__((always_inline)) void tile(int q4, int unpacked, con
         for (int i = 0; i < R; i++) {
             if (!(rows >> i & 1)) continue;
             const __m512i start = q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(xo[2 * (slot + i) + 1]);
-            const __m512 sum = _mm512_cvtepi32_ps(dot8(start, chunk, a_fine + (slot + i) * GROUP));
+            const __m512 sum = _mm512_cvtepi32_ps(dot8(q4, start, chunk, a_fine + (slot + i) * GROUP));
             const __m512 scale = _mm512_mul_ps(wd, _mm512_set1_ps(xd[slot + i] * (1.0f / 254.0f)));
             acc[i] = _mm512_fmadd_ps(sum, scale, acc[i]);
         }

@@ -434,9 +434,11 @@ exec {real} "$@"
     monkeypatch.setenv("CC", str(old_compiler))
     monkeypatch.setattr(cpu_kernels, "CACHE_DIR", tmp_path / "cache")
     monkeypatch.setattr(cpu_kernels, "cpu_has_bf16_dot", lambda: True)
+    runs_avx512 = cpu_kernels.cpu_runs_avx512()
+    monkeypatch.setattr(cpu_kernels, "cpu_runs_avx512", lambda: True)
     built = cpu_kernels.build_for_this_cpu()
     assert built == cpu_kernels._build(cpu_kernels.FLAGS) and built.exists()
-    assert cpu_kernels.declare(ctypes.CDLL(str(built))).forge_supported()
+    assert cpu_kernels.declare(ctypes.CDLL(str(built))).forge_supported() == runs_avx512
 
 
 def _refined(logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:
