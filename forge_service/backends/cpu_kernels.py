@@ -165,13 +165,13 @@ def _build(flags: list[str]) -> Path:
     compiler = os.environ.get("CC", "cc")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     header = SOURCES[0].parent / AVX2_HEADER
-    if "-DFORGE_AVX2" in flags:
-        flags = [*flags, "-include", str(header)]
     texts = [p.read_text() for p in [*SOURCES, header]]
     key = hashlib.sha256("\n".join([*texts, " ".join(flags), version]).encode()).hexdigest()[:16]
     target = CACHE_DIR / f"forge_cpu-{key}.so"
     if target.exists():
         return target
+    if "-DFORGE_AVX2" in flags:  # the header's text is in the key, not where it lies
+        flags = [*flags, "-include", str(header)]
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:  # then renamed: concurrent builds are safe
         built = Path(tmp) / target.name

@@ -12,7 +12,7 @@
  * runs both), and batch invariance holds here as it does there.
  *
  * The one instruction without a lane-wise twin is VNNI's VPDPBUSD (4 unsigned x signed byte
- * products a lane, summed exactly into int32): quant_gemm.c's AVX2 tile takes its products from
+ * products a lane, summed exactly into int32): quant_gemm.c takes its group dots from
  * VPMADDUBSW and VPMADDWD itself, where it knows its codes' range (see there).
  */
 #ifndef FORGE_AVX2_H

@@ -541,3 +541,79 @@ def test_a_step_splits_by_rows_between_threads_between_sequences_and_in_chunks()
     assert len(bounds) == 3 and 128 // 2 < bounds[1] < 128 - 4
     assert _split([], [], threads=2, chunks=((8, 8), (8, 100))) == [0, 8, 16]  # between chunks
     assert _split([], [], threads=2, chunks=((7, 7),)) == []
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_extreme_codes_against_extreme_activations_are_summed_exactly(bits: int) -> None:
+    """Every product at its largest: q4 codes of 15 and q8 codes of -128 and 127 against activations
+    quantised to +-127. The integer dots must not saturate anywhere (the AVX2 build's 16-bit pairs of
+    products are where they could): the output is the exact sum of the weights' signed values."""
+    n, k = 32, 576
+    signs = torch.where(torch.rand(3, k, generator=torch.Generator().manual_seed(bits)) < 0.5, -1.0, 1.0)
+    if bits == 4:
+        codes = torch.full((n, k), 15, dtype=torch.uint8)
+        codes[1::2, ::3] = 0
+        scale = torch.ones(n, k // 32)
+        w = cpu_kernels.pack_q4(codes, scale, 8 * scale)  # w = code
+        values = codes.double()
+    else:  # rows of 127, of -128, of both in turn, and random codes
+        codes = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(n), dtype=torch.int8)
+        codes[0::4], codes[1::4] = 127, -128
+        codes[2::4] = torch.where(torch.arange(k) % 2 == 0, -128, 127).to(torch.int8)
+        w = cpu_kernels.pack_q8_codes(Int8Weight(codes, torch.ones(n, k // 32)))
+        values = codes.double()
+    x = torch.cat([torch.ones(1, k), -torch.ones(1, k), signs])  # each value its group's largest: exactly +-127
+    x[3] = torch.where(values[1] < 0, -1.0, 1.0)  # every product of row 1 positive and at its largest
+    exact = x.double() @ values.T
+    for levels in (1, 2):
+        got = cpu_kernels.linear(x, w, levels)
+        assert torch.allclose(got.double(), exact, rtol=1e-6, atol=1e-3), levels
+
+
+@pytest.mark.skipif(not cpu_kernels.cpu_runs_avx512(),
+                    reason="compares the AVX2 build with the AVX-512 one, which this CPU cannot run")
+def test_the_avx2_build_gives_the_bits_of_the_avx512_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two builds of the kernels (see native/cpu/avx2.h) give the same bits on every kernel, so
+    that a CPU's answers do not depend on which of them it runs."""
+    from forge_service.backends.torch_ref import rotary_tables
+    from forge_service.layers.rotary import RotaryEmbedding
+
+    avx512 = cpu_kernels.library()
+    avx2 = cpu_kernels.declare(ctypes.CDLL(str(cpu_kernels._build(cpu_kernels.AVX2_FLAGS))))
+    g = torch.Generator().manual_seed(11)
+    codes, scale, zero = _codes(960, 576, seed=5)
+    weights = [cpu_kernels.pack_q4(codes, scale, zero), cpu_kernels.pack_q8(torch.randn(960, 576, generator=g) * 0.05)]
+    activations = [_with_outliers(rows, 576, seed=rows) for rows in (1, 9, 64, 200)]
+    residual, delta = torch.randn(40, 576, generator=g) * 3, torch.randn(40, 576, generator=g).bfloat16()
+    norm_weight = (torch.rand(576, generator=g) + 0.5).bfloat16()
+    gate_up = (torch.randn(40, 2 * 1536, generator=g) * 4).bfloat16()
+    rope = RotaryEmbedding(64, 4096, 10000.0)
+    cos, sin = rotary_tables(rope.cos, rope.sin, torch.arange(0, 4000, 100), torch.bfloat16)
+    qk = (torch.randn(40, 12, 64, generator=g) * 3).bfloat16()
+    decode_case = paged_attention_case(9, 3, 64, [1, 17, 100, 33, 250])
+    k_cache, v_cache, _, slots = _paged_context(300, 2, 64, seed=3)
+    queries = (torch.randn(300, 8, 64, generator=g) * 4).bfloat16()
+    logits, h = torch.randn(5, 1000, generator=g), torch.randn(5, 104, generator=g)
+    head = torch.randn(1000, 104, generator=g).bfloat16()
+
+    def outputs() -> list[torch.Tensor]:
+        got = [cpu_kernels.linear(x.to(dtype), w, levels)
+               for w in weights for x in activations for dtype in (torch.float32, torch.bfloat16) for levels in (1, 2)]
+        stream = residual.clone()
+        got += [cpu_kernels.add_rms_norm(stream, delta, norm_weight, 1e-5), stream]
+        got += [*cpu_kernels.final_norm(residual, delta, torch.tensor([39, 0, 17]), norm_weight.float(), 1e-5)]
+        got.append(cpu_kernels.silu_mul(gate_up))
+        rotated, normed = qk.clone(), qk.clone()
+        cpu_kernels.rotary_(rotated, cos, sin)
+        cpu_kernels.head_rms_norm_(normed, 8, norm_weight[:64], norm_weight[64:128], 1e-6)
+        got += [rotated, normed, cpu_kernels.decode_attention(*decode_case, PAGED_BLOCK, 64 ** -0.5)]
+        prefill = torch.empty(300, 8, 64, dtype=torch.bfloat16)
+        cpu_kernels.prefill_attention(queries, k_cache, v_cache, slots, 0.125, prefill)
+        got.append(prefill)
+        got.append(_refined(logits, h, head, 8))
+        return got
+
+    wanted = outputs()
+    monkeypatch.setattr(cpu_kernels, "library", lambda: avx2)
+    for i, (got, want) in enumerate(zip(outputs(), wanted, strict=True)):
+        assert torch.equal(got, want), i
