@@ -39,6 +39,7 @@ FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vn
 AVX2_FLAGS = ["-O3", "-std=c11", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-DFORGE_AVX2"]
 AVX2_HEADER = "avx2.h"
 AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma"})
+AVX2_CPU_FLAGS = frozenset({"avx2", "f16c", "fma"})
 GROUP = 32  # inputs per scale
 # With two activation levels, the second covers only the groups that hold one of the row's large
 # values: amax > FINE_ABOVE x the row's RMS. The first level's rounding error is amax / 254 per
@@ -73,6 +74,9 @@ def library() -> ctypes.CDLL | None:
         return None
     if choice not in ("native", "avx2"):
         log.warning("FORGE_CPU_KERNELS=%s is not native, avx2 or torch; taking native", choice)
+    if cpu_flags() and not AVX2_CPU_FLAGS <= cpu_flags():  # neither build can run: not worth building
+        log.info("this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C; using torch's kernels")
+        return None
     try:
         lib = ctypes.CDLL(str(build_for_this_cpu()))
     except subprocess.CalledProcessError as error:
@@ -172,6 +176,7 @@ def _build(flags: list[str]) -> Path:
         return target
     if "-DFORGE_AVX2" in flags:  # the header's text is in the key, not where it lies
         flags = [*flags, "-include", str(header)]
+    log.info("building the native CPU kernels for this CPU, once (a minute to a few; then cached in %s)", CACHE_DIR)
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:  # then renamed: concurrent builds are safe
         built = Path(tmp) / target.name

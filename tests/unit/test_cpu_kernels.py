@@ -578,8 +578,8 @@ def test_the_avx2_build_gives_the_bits_of_the_avx512_build(monkeypatch: pytest.M
     from forge_service.backends.torch_ref import rotary_tables
     from forge_service.layers.rotary import RotaryEmbedding
 
-    avx512 = cpu_kernels.library()
-    avx2 = cpu_kernels.declare(ctypes.CDLL(str(cpu_kernels._build(cpu_kernels.AVX2_FLAGS))))
+    avx512, avx2 = (cpu_kernels.declare(ctypes.CDLL(str(cpu_kernels._build(cpu_kernels.build_flags(avx512=wide)))))
+                    for wide in (True, False))
     g = torch.Generator().manual_seed(11)
     codes, scale, zero = _codes(960, 576, seed=5)
     weights = [cpu_kernels.pack_q4(codes, scale, zero), cpu_kernels.pack_q8(torch.randn(960, 576, generator=g) * 0.05)]
@@ -613,7 +613,21 @@ def test_the_avx2_build_gives_the_bits_of_the_avx512_build(monkeypatch: pytest.M
         got.append(_refined(logits, h, head, 8))
         return got
 
+    monkeypatch.setattr(cpu_kernels, "library", lambda: avx512)
     wanted = outputs()
     monkeypatch.setattr(cpu_kernels, "library", lambda: avx2)
     for i, (got, want) in enumerate(zip(outputs(), wanted, strict=True)):
         assert torch.equal(got, want), i
+
+
+def test_a_cpu_without_avx2_keeps_torch_s_kernels_without_building(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_build(flags: list[str]) -> Path:
+        raise AssertionError(f"built with {flags}")
+
+    monkeypatch.setattr(cpu_kernels, "_build", no_build)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"sse2", "avx", "fma", "f16c"}))
+    cpu_kernels.library.cache_clear()
+    try:
+        assert cpu_kernels.library() is None
+    finally:
+        cpu_kernels.library.cache_clear()
