@@ -12,11 +12,11 @@ drift. Workloads, one after the other:
                answer or re-running an agent's step would; `--workloads grounded,open` leaves it out
 
 Each (workload, concurrency) cell runs --rounds rounds; a round runs on and off back to back
-(alternating which goes first), each over --requests-per-stream x concurrency requests. Every
-prompt starts with its own request number, so the prefix cache never skips a prefill. Reported:
-median output tok/s per mode and the ratio on/off; drafted tokens accepted (acceptance rate);
-and tokens per step, completion tokens / (completion tokens - accepted), the mean run a
-request gets from one forward pass.
+(alternating which goes first), each over the same --requests-per-stream x concurrency prompts
+(the next ones each round). Every request starts with its own request number, so the prefix
+cache never skips a prefill. Reported: median output tok/s per mode and the ratio on/off;
+drafted tokens accepted (acceptance rate); and tokens per step, completion tokens / (completion
+tokens - accepted), the mean run a request gets from one forward pass.
 
     python bench/speculative.py --concurrency 1,16 --rounds 3
     python bench/speculative.py --step-rows 1,2,4,8,16,24,32   # the step cost per row
@@ -108,16 +108,17 @@ async def answer(client: httpx.AsyncClient, model: str, prompt: str, max_tokens:
 
 
 async def one_run(client: httpx.AsyncClient, model: str, prompts: list[tuple[str, str | None]], concurrency: int,
-                  num: int, max_tokens: int, spec: bool, numbers: itertools.count) -> dict[str, float]:
-    """`num` requests over `concurrency` streams, of (prompt, predicted output or None); tok/s over
-    the wall time, summed usage."""
+                  num: int, max_tokens: int, spec: bool, numbers: itertools.count, first: int = 0) -> dict[str, float]:
+    """`num` requests over `concurrency` streams, of (prompt, predicted output or None): prompts
+    first, first + 1, ... (cycled), each under a request number of its own; tok/s over the wall time,
+    summed usage."""
     todo = iter(range(num))
     totals = {"completion": 0, "drafted": 0, "accepted": 0}
 
     async def worker() -> None:
         for i in todo:
             n = next(numbers)
-            prompt, prediction = prompts[(n + i) % len(prompts)]
+            prompt, prediction = prompts[(first + i) % len(prompts)]
             body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                     "stream_options": {"include_usage": True},
                     "messages": [{"role": "user", "content": f"Request {n}. {prompt}"}]}
@@ -147,10 +148,11 @@ async def measure(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             prompts = workloads[workload]
             for c in args.concurrency:
                 runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
-                for r in range(args.rounds):
+                num = args.requests_per_stream * c
+                for r in range(args.rounds):  # both modes of a round answer the same prompts
                     for spec in ((True, False) if r % 2 == 0 else (False, True)):
-                        runs[spec].append(await one_run(client, model, prompts, c, args.requests_per_stream * c,
-                                                        args.max_tokens, spec, numbers))
+                        runs[spec].append(await one_run(client, model, prompts, c, num, args.max_tokens, spec, numbers,
+                                                        first=r * num))
                 on, off = runs[True], runs[False]
                 drafted, accepted = sum(x["drafted"] for x in on), sum(x["accepted"] for x in on)
                 completion = sum(x["completion"] for x in on)
