@@ -35,8 +35,14 @@ CACHE_DIR = Path.home() / ".cache" / "forge" / "cpu"
 FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512dq", "-mf16c",
          "-mfma", "-fopenmp", "-shared", "-fPIC"]
 # The same sources for CPUs with AVX2 but not AVX-512 VNNI: avx2.h (beside them), included first,
-# supplies the AVX-512 operations they use.
-AVX2_FLAGS = ["-O3", "-std=c11", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-DFORGE_AVX2"]
+# supplies the AVX-512 operations they use. Without GCC's RTL global CSE passes (before and after
+# register allocation), which spent 100 of ops.c's 148 s on the header's unrolled vector pairs: the
+# build took about 3 minutes on 2 cores and takes under one, its kernels as fast (a Zen 3's decode
+# steps of 1 / 8 / 16 / 32 rows 1.000 / 0.998 / 0.988-1.021 / 1.001 of the time, a 500-token
+# prefill 0.945-1.004; bench/kernel_ab.py's A/B with the flags as the difference). C's float
+# semantics hold at any optimisation level, so the bits are the same.
+AVX2_FLAGS = ["-O3", "-std=c11", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-DFORGE_AVX2",
+              "-fno-gcse", "-fno-gcse-after-reload"]
 AVX2_HEADER = "avx2.h"
 AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma"})
 AVX2_CPU_FLAGS = frozenset({"avx2", "f16c", "fma"})
