@@ -46,6 +46,7 @@ AVX2_FLAGS = ["-O3", "-std=c11", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shar
 AVX2_HEADER = "avx2.h"
 AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma"})
 AVX2_CPU_FLAGS = frozenset({"avx2", "f16c", "fma"})
+NEITHER_BUILD = "this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C; using torch's kernels"
 GROUP = 32  # inputs per scale
 # With two activation levels, the second covers only the groups that hold one of the row's large
 # values: amax > FINE_ABOVE x the row's RMS. The first level's rounding error is amax / 254 per
@@ -81,7 +82,7 @@ def library() -> ctypes.CDLL | None:
     if choice not in ("native", "avx2"):
         log.warning("FORGE_CPU_KERNELS=%s is not native, avx2 or torch; taking native", choice)
     if cpu_flags() and not AVX2_CPU_FLAGS <= cpu_flags():  # neither build can run: not worth building
-        log.info("this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C; using torch's kernels")
+        log.info(NEITHER_BUILD)
         return None
     try:
         lib = ctypes.CDLL(str(build_for_this_cpu()))
@@ -92,7 +93,7 @@ def library() -> ctypes.CDLL | None:
         log.warning("native CPU kernels unavailable, using torch's: %s", error)
         return None
     if not lib.forge_supported():
-        log.info("this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C; using torch's kernels")
+        log.info(NEITHER_BUILD)
         return None
     return declare(lib)
 

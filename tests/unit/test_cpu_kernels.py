@@ -555,13 +555,12 @@ def test_extreme_codes_against_extreme_activations_are_summed_exactly(bits: int)
         codes[1::2, ::3] = 0
         scale = torch.ones(n, k // 32)
         w = cpu_kernels.pack_q4(codes, scale, 8 * scale)  # w = code
-        values = codes.double()
     else:  # rows of 127, of -128, of both in turn, and random codes
         codes = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(n), dtype=torch.int8)
         codes[0::4], codes[1::4] = 127, -128
         codes[2::4] = torch.where(torch.arange(k) % 2 == 0, -128, 127).to(torch.int8)
         w = cpu_kernels.pack_q8_codes(Int8Weight(codes, torch.ones(n, k // 32)))
-        values = codes.double()
+    values = codes.double()
     x = torch.cat([torch.ones(1, k), -torch.ones(1, k), signs])  # each value its group's largest: exactly +-127
     x[3] = torch.where(values[1] < 0, -1.0, 1.0)  # every product of row 1 positive and at its largest
     exact = x.double() @ values.T
