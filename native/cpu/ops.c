@@ -348,6 +348,47 @@ static inline void keep_scores(float *s, __m512 scores, int64_t count, __m512 *t
 
 /* acc[g] += p[g stride + l] V[l] for l in lb .. le - 1, in order, g < NG: the weighted values of NG
  * heads of one KV head (V at `slots`, rows `row` apart from `off`), each value read and split once. */
+#ifdef FORGE_AVX2
+/* The AVX2 build takes a quarter of each value at a time (half of one run of 32 elements: 8 even and
+ * 8 odd lanes), so that the NG heads' accumulators for it stay in registers: all of them at once are
+ * 2 NG hd / 8 vectors, 32 for 4 heads of 64, twice its 16 registers, and each multiply-add then went
+ * through memory. Each lane adds the same products in the same order: the same bits. */
+static inline __attribute__((always_inline)) void weigh(__m512 (*acc)[2 * MAX_PAIRS], const int NG, const float *p,
+                                                        int64_t stride, const uint16_t *v_cache, const int64_t *slots,
+                                                        int64_t lb, int64_t le, int64_t row, int64_t off,
+                                                        const int64_t hd) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int64_t c = 0; c < hd / 32; c++) {
+        for (int h = 0; h < 2; h++) {
+            __m256 even[MAX_GROUP], odd[MAX_GROUP];
+            for (int g = 0; g < NG; g++) {
+                even[g] = h ? acc[g][2 * c].hi : acc[g][2 * c].lo;
+                odd[g] = h ? acc[g][2 * c + 1].hi : acc[g][2 * c + 1].lo;
+            }
+            const uint16_t *quarter = v_cache + off + 32 * c + 16 * h;  /* elements 32 c + 16 h .. + 15 */
+            for (int64_t l = lb; l < le; l++) {  /* split as split_bf16 splits that half */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(quarter + slots[l] * row));
+                const __m256 ve = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                const __m256 vo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+                for (int g = 0; g < NG; g++) {
+                    const __m256 w = _mm256_set1_ps(p[g * stride + l]);
+                    even[g] = _mm256_fmadd_ps(w, ve, even[g]);
+                    odd[g] = _mm256_fmadd_ps(w, vo, odd[g]);
+                }
+            }
+            for (int g = 0; g < NG; g++) {
+                if (h) {
+                    acc[g][2 * c].hi = even[g];
+                    acc[g][2 * c + 1].hi = odd[g];
+                } else {
+                    acc[g][2 * c].lo = even[g];
+                    acc[g][2 * c + 1].lo = odd[g];
+                }
+            }
+        }
+    }
+}
+#else
 static inline __attribute__((always_inline)) void weigh(__m512 (*acc)[2 * MAX_PAIRS], const int NG, const float *p,
                                                         int64_t stride, const uint16_t *v_cache, const int64_t *slots,
                                                         int64_t lb, int64_t le, int64_t row, int64_t off,
@@ -368,6 +409,7 @@ static inline __attribute__((always_inline)) void weigh(__m512 (*acc)[2 * MAX_PA
     for (int g = 0; g < NG; g++)
         for (int64_t j = 0; j < 2 * pairs; j++) acc[g][j] = a[g][j];
 }
+#endif
 
 /* G query heads (q: G heads of hd, contiguous) against n keys at `slots` of their shared KV head
  * (rows `row` apart from `off`): out = softmax(scale q.K) V per head, in fp32, rounded to bf16.
