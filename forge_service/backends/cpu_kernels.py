@@ -39,8 +39,8 @@ FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vn
 # register allocation), which spent 100 of ops.c's 148 s on the header's unrolled vector pairs: the
 # build took about 3 minutes on 2 cores and takes under one, its kernels as fast (a Zen 3's decode
 # steps of 1 / 8 / 16 / 32 rows 1.000 / 0.998 / 0.988-1.021 / 1.001 of the time, a 500-token
-# prefill 0.945-1.004; bench/kernel_ab.py's A/B with the flags as the difference). C's float
-# semantics hold at any optimisation level, so the bits are the same.
+# prefill 0.945-1.004: steps alternating between the two builds in one engine, as bench/kernel_ab.py
+# runs them). C's float semantics hold at any optimisation level, so the bits are the same.
 AVX2_FLAGS = ["-O3", "-std=c11", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-DFORGE_AVX2",
               "-fno-gcse", "-fno-gcse-after-reload"]
 AVX2_HEADER = "avx2.h"
