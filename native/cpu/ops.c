@@ -351,7 +351,7 @@ static inline void keep_scores(float *s, __m512 scores, int64_t count, __m512 *t
 #ifdef FORGE_AVX2
 /* The AVX2 build takes a quarter of each value at a time (half of one run of 32 elements: 8 even and
  * 8 odd lanes), so that the NG heads' accumulators for it stay in registers: all of them at once are
- * 2 NG hd / 8 vectors, 32 for 4 heads of 64, twice its 16 registers, and each multiply-add then went
+ * NG hd / 8 vectors, 32 for 4 heads of 64, twice its 16 registers, and each multiply-add then went
  * through memory. Each lane adds the same products in the same order: the same bits. */
 static inline __attribute__((always_inline)) void weigh(__m512 (*acc)[2 * MAX_PAIRS], const int NG, const float *p,
                                                         int64_t stride, const uint16_t *v_cache, const int64_t *slots,
