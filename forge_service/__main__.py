@@ -44,6 +44,9 @@ ENGINE_FLAGS = [
     ("--max-tokens-while-decoding", "max_tokens_while_decoding", int,
      "while requests decode, a step's decodes plus prefill chunks stay under this (bounds inter-token "
      "latency under long prompts; 0: no bound)"),
+    ("--max-step-ms-while-decoding", "max_step_ms_while_decoding", float,
+     "while requests decode, prefill chunks also stay within what this many milliseconds of step hold, at "
+     "the measured cost of a token: steadier inter-token latency, later first tokens (default 0: no such bound)"),
     ("--max-num-seqs", "max_num_seqs", int, "most requests running at once"),
     ("--max-waiting", "max_waiting", int, "most requests waiting; past it RESOURCE_EXHAUSTED (0: unbounded)"),
     ("--scheduling-policy", "scheduling_policy", str,

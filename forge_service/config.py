@@ -17,7 +17,7 @@ def require_at_least(config: object, minimum: float, *names: str) -> None:
     sequence could ever be scheduled with max_num_seqs 0)."""
     for name in names:
         value = getattr(config, name)
-        if value is not None and value < minimum:
+        if value is not None and not value >= minimum:  # NaN too
             raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
@@ -123,6 +123,11 @@ class SchedulerConfig:
     # by a bounded step, not by a whole max_num_batched_tokens chunk. Prefills alone use the full
     # budget. 0: no such bound.
     max_tokens_while_decoding: int = 128
+    # And, when set, to what fits in this many milliseconds of step at the cost of a token the engine
+    # measures on its steps that prefill (0: no such bound). Where a token costs more (a slower CPU,
+    # longer prompts), chunks shrink, so that streams wait about as long between tokens on any
+    # machine; prompts then take more steps to prefill, so first tokens come later (see README).
+    max_step_ms_while_decoding: float = 0.0
     max_num_seqs: int = 64
     # Bound on waiting requests; past it, new requests are refused. 0 means unbounded.
     max_waiting: int = 256
@@ -133,7 +138,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         require_at_least(self, 1, "max_num_batched_tokens", "max_num_seqs")
-        require_at_least(self, 0, "max_tokens_while_decoding", "max_waiting")
+        require_at_least(self, 0, "max_tokens_while_decoding", "max_step_ms_while_decoding", "max_waiting")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
 

@@ -299,7 +299,9 @@ class LLMEngine:
                     self._emit_run(chunk.request, run[:got], deltas, now)
             except Exception as error:  # this request's output processing: it fails alone
                 self._fail(chunk.request, error, deltas)
-        self.observer.step(len(out.chunks), out.num_tokens, time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        self.scheduler.observe(out, elapsed)
+        self.observer.step(len(out.chunks), out.num_tokens, elapsed)
         return list(deltas.values())
 
     def _observe_scheduled(self, out: SchedulerOutput, now: float) -> None:

@@ -13,6 +13,10 @@ from forge_service.kv_cache.manager import KVCacheManager
 from forge_service.speculative.proposer import NgramProposer
 
 
+# Weight of the latest step in the measured cost of a token: about the last 4 steps that prefilled.
+TOKEN_MS_WEIGHT = 0.25
+
+
 class Scheduler:
     """Decides, each step, which tokens of which requests the model computes.
 
@@ -52,6 +56,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+        # Milliseconds a scheduled token costs, measured on the steps that prefill (None: none yet).
+        self.token_ms: float | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -115,12 +121,26 @@ class Scheduler:
     def _prefill_room(self, decodes: int) -> int:
         """How many prompt tokens this step may prefill. A step costs about its token count, and
         every decoding stream waits for it: while streams decode, prefill chunks get what is left
-        of max_tokens_while_decoding after them, and at least a block's worth so that new requests
-        still start under a full batch of decodes."""
-        limit = self.config.max_tokens_while_decoding
-        if not decodes or not limit:
+        after them of max_tokens_while_decoding, and of the tokens that max_step_ms_while_decoding
+        holds at the measured cost of a token; at least a block's worth, so that new requests still
+        start under a full batch of decodes."""
+        if not decodes:
             return self.config.max_num_batched_tokens
-        return max(self.kv.block_size, limit - decodes)
+        limits = [self.config.max_tokens_while_decoding] if self.config.max_tokens_while_decoding else []
+        if self.config.max_step_ms_while_decoding and self.token_ms:
+            limits.append(int(self.config.max_step_ms_while_decoding / self.token_ms))
+        if not limits:
+            return self.config.max_num_batched_tokens
+        return max(self.kv.block_size, min(limits) - decodes)
+
+    def observe(self, out: SchedulerOutput, seconds: float) -> None:
+        """How long the step `out` scheduled took, start to end. A step that prefilled updates the
+        cost of a token (an average over recent such steps), which bounds prefill chunks while
+        streams decode. Its fixed part, spread over fewer tokens when chunks shrink, raises the
+        cost a token is charged: the chunks settle where whole steps take the time allowed."""
+        if out.num_tokens and any(chunk.num_tokens - len(chunk.draft) > 1 for chunk in out.chunks):
+            ms = 1000.0 * seconds / out.num_tokens
+            self.token_ms = ms if self.token_ms is None else self.token_ms + TOKEN_MS_WEIGHT * (ms - self.token_ms)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance the scheduled requests; append sampled tokens. Returns requests that got a token."""

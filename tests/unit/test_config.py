@@ -11,6 +11,9 @@ from forge_service.config import engine_config_from_env, service_config_from_env
     ("max_num_seqs", 0),  # no sequence could ever be scheduled: every request would wait forever
     ("max_num_batched_tokens", 0),
     ("max_tokens_while_decoding", -1),
+    ("max_step_ms_while_decoding", -1.0),
+    ("max_step_ms_while_decoding", float("nan")),  # would pass a plain `< 0` test, then fail every step
+    ("spec_step_base_rows", float("nan")),
     ("max_waiting", -1),
     ("block_size", 0),
     ("kv_cache_bytes", 0),

@@ -224,3 +224,26 @@ def test_a_prompt_s_last_token_alone_takes_the_prefill_path(tiny_dir):
     assert again.num_cached_tokens == 16  # a whole block
     assert steps == [(0, [(1, True)]), (1, []), (1, [])]
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("step_ms, first_chunk", [(1e-6, 16), (0, 100)])
+def test_steps_are_timed_and_prefill_chunks_fit_the_step_time_while_streams_decode(tiny_dir, step_ms, first_chunk):
+    llm = LLM(model=str(tiny_dir), dtype="float32", max_step_ms_while_decoding=step_ms)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("short", [5, 6, 7], params)
+    engine.step()  # its prefill: the first measure of a token's cost
+    assert engine.scheduler.token_ms > 0
+    engine.add_request("long", list(range(5, 105)), params)
+    outputs = {}
+
+    def step():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+
+    step()  # with "short" decoding: however fast this machine, 1e-6 ms hold only one block
+    assert engine.scheduler.get("long").num_computed_tokens == first_chunk
+    while engine.has_unfinished_requests():
+        step()
+    alone = llm.generate([list(range(5, 105))], params)[0].outputs[0].token_ids
+    assert outputs["long"] == alone  # the same tokens, whatever its chunks

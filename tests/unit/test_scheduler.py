@@ -323,3 +323,39 @@ def test_a_full_batch_of_decodes_still_lets_a_block_of_prompt_in():
     unbounded.add(make_request("new", 30))
     out, _ = step(unbounded)
     assert plan(out)[-1] == ("new", 0, 30)
+
+
+def test_while_streams_decode_prefill_chunks_fit_the_step_time_at_the_measured_cost_of_a_token():
+    config = SchedulerConfig(max_num_batched_tokens=512, max_tokens_while_decoding=128, max_step_ms_while_decoding=50)
+    sched = Scheduler(config, KVCacheManager(400, 4))
+    for rid in "abc":
+        sched.add(make_request(rid, 5, max_tokens=20))
+    out, _ = step(sched)
+    sched.observe(out, 0.030)  # 15 prompt tokens in 30 ms: 2 ms a token
+    assert sched.token_ms == 2.0
+    sched.add(make_request("long", 300, max_tokens=2))
+    out, _ = step(sched)
+    assert plan(out)[-1] == ("long", 0, 22)  # 50 ms hold 25 tokens; 3 of them are decodes
+    sched.observe(out, 0.100)  # 4 ms a token: the cost moves a quarter of the way, to 2.5 ms
+    out, _ = step(sched)
+    assert plan(out)[-1] == ("long", 22, 17)  # 20 tokens - 3 decodes
+    sched.observe(out, 10.0)  # however dear a token gets, a block of the prompt still comes in
+    out, _ = step(sched)
+    assert plan(out)[-1] == ("long", 39, 4)
+    cost = sched.token_ms
+    sched.observe(SchedulerOutput(chunks=[c for c in out.chunks if c.num_tokens == 1]), 5.0)
+    assert sched.token_ms == cost  # steps that only decode do not measure it
+
+
+def test_the_step_time_bound_is_off_at_zero_and_never_loosens_the_token_bound():
+    for ms, chunk in ((0, 125), (10_000, 125)):
+        config = SchedulerConfig(max_num_batched_tokens=512, max_tokens_while_decoding=128,
+                                 max_step_ms_while_decoding=ms)
+        sched = Scheduler(config, KVCacheManager(400, 4))
+        for rid in "abc":
+            sched.add(make_request(rid, 5, max_tokens=20))
+        out, _ = step(sched)
+        sched.observe(out, 0.030)
+        sched.add(make_request("long", 300, max_tokens=2))
+        out, _ = step(sched)
+        assert plan(out)[-1] == ("long", 0, chunk)
