@@ -5,19 +5,30 @@ a prefill chunk are left out, so the figure is the decode step alone. Also repor
 a step's start to its model run's launch (scheduling and building the inputs), which is how much
 later than its step a server posts a token (AsyncEngine).
 
+With --floor, also the least a decode step can take for its weights alone: the bytes of packed
+weights every step reads once (each projection's and the lm_head's codes and scales), over this
+machine's read bandwidth (the best of five sums over 512 MB, past any cache). One stream's step
+cannot be faster than that; how far above it the measured step sits is the step's work besides
+streaming the weights (Python, the small ops between GEMMs, waiting threads).
+
     python bench/decode_step.py --batch 1,16 --dtype bfloat16
+    python bench/decode_step.py --batch 1 --floor
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import machine  # noqa: E402
+from forge_service.backends.cpu_kernels import QuantWeight  # noqa: E402
 from forge_service.engine.request import SamplingParams  # noqa: E402
 from forge_service.llm import LLM  # noqa: E402
 
@@ -43,12 +54,33 @@ def decode_steps_ms(llm: LLM, batch: int, steps: int, tag: str) -> tuple[list[fl
     return times, to_launch
 
 
+def packed_weight_bytes() -> int:
+    """Bytes of the packed weights alive in this process (codes, scales, offsets): what a decode
+    step streams once. Found by the collector, since the backend keeps them inside its layers."""
+    weights = {id(o): o for o in gc.get_objects() if type(o) is QuantWeight}.values()  # type(): no module __getattr__
+    return sum(t.nbytes for w in weights for t in (w.codes, w.scale, w.offset) if t is not None)
+
+
+def read_bandwidth(mib: int = 512, tries: int = 5) -> float:
+    """This machine's memory read bandwidth (bytes/s) with torch's threads: the best of `tries`
+    sums over `mib` MiB, far past any cache."""
+    data = torch.ones(mib << 17, dtype=torch.float64)
+    best = float("inf")
+    for _ in range(tries):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.nbytes / best
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--floor", action="store_true",
+                        help="also the step time the weights' bytes alone take at this machine's read bandwidth")
     args = parser.parse_args(argv)
     llm = LLM(model=args.model, dtype=args.dtype)
     decode_steps_ms(llm, 1, 4, "warmup")
@@ -60,8 +92,18 @@ def main(argv: list[str] | None = None) -> int:
                      "to_launch_ms_p50": round(launch_ms, 3)})
         print(f"batch {batch:>3}: decode step p50 {ms:7.2f} ms  {batch * 1000 / ms:7.1f} tok/s  "
               f"to launch {launch_ms:6.3f} ms")
-    print(json.dumps({"benchmark": "decode_step", "dtype": str(llm.engine.dtype), "machine": machine(),
-                      "results": rows}))
+    report = {"benchmark": "decode_step", "dtype": str(llm.engine.dtype), "machine": machine(), "results": rows}
+    if args.floor:
+        weights, bandwidth = packed_weight_bytes(), read_bandwidth()
+        if weights:
+            floor_ms = weights / bandwidth * 1000
+            report["floor"] = {"weight_mb": round(weights / 1e6, 1), "read_gb_s": round(bandwidth / 1e9, 1),
+                               "step_ms": round(floor_ms, 2), "tok_s_one_stream": round(1000 / floor_ms, 1)}
+            print(f"weights read per step {weights / 1e6:.1f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s: "
+                  f"a step takes at least {floor_ms:.2f} ms ({1000 / floor_ms:.1f} tok/s at one stream)")
+        else:
+            print("no packed weights in this process (a dense model or backend): no floor from them")
+    print(json.dumps(report))
     return 0
 
 
