@@ -30,6 +30,7 @@ from bench.speculative import WORKLOADS, step_rows  # noqa: E402
 from forge_service import LLM, SamplingParams  # noqa: E402
 from forge_service.config import SpeculativeConfig  # noqa: E402
 from forge_service.speculative.ngram import AdaptiveDraftLength, NgramIndex  # noqa: E402
+from forge_service.speculative.step_cost import PRIOR_BASE_ROWS, base_from_line  # noqa: E402
 
 
 def step_cost(measured: dict[int, float]) -> Callable[[int], float]:
@@ -46,11 +47,11 @@ def step_cost(measured: dict[int, float]) -> Callable[[int], float]:
 
 
 def replay(prompt: list[int], answer: list[int], config: SpeculativeConfig, oracle: bool,
-           cost: Callable[[int], float]) -> tuple[float, int]:
+           cost: Callable[[int], float], base_rows: float) -> tuple[float, int]:
     """Seconds of decode steps for `answer` after its first token with drafting, and the steps."""
     index = NgramIndex(config.spec_ngram_min, config.spec_ngram_max, prompt + answer[:1])
     length = AdaptiveDraftLength(config.spec_max_draft)
-    worth = 1.0 / (config.spec_step_base_rows + 1.0)  # the scheduler's at one decode row
+    worth = 1.0 / (base_rows + 1.0)  # the scheduler's at one decode row
     done, seconds, steps = 1, 0.0, 0
     while done < len(answer):
         room = min(config.spec_max_draft, len(answer) - done - 1)
@@ -74,13 +75,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=12, help="per workload (its prompts in turn)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--spec-max-draft", type=int, default=SpeculativeConfig.spec_max_draft)
-    parser.add_argument("--spec-step-base-rows", type=float, default=SpeculativeConfig.spec_step_base_rows)
+    parser.add_argument("--spec-step-base-rows", type=float, default=SpeculativeConfig.spec_step_base_rows,
+                        help="0 (the default): fitted to the step times measured first, as the scheduler does")
     args = parser.parse_args(argv)
     config = SpeculativeConfig(spec_max_draft=args.spec_max_draft, spec_step_base_rows=args.spec_step_base_rows)
 
     llm = LLM(enable_prefix_caching=False)
     measured = step_rows(sorted({1, 2, 3, 5, 9, 1 + args.spec_max_draft}), llm)
     cost = step_cost({r["rows"]: r["step_ms"] / 1000 for r in measured})
+    # 0: as the scheduler would measure it, a line through the step times
+    base_rows = args.spec_step_base_rows or base_from_line([(r["rows"], r["step_ms"], 1) for r in measured]) \
+        or PRIOR_BASE_ROWS
+    print(f"the adaptive length drafts with a base of {base_rows:.2f} rows")
     off = SamplingParams(temperature=0, max_tokens=args.max_tokens, num_speculative_tokens=0)
     first = SamplingParams(temperature=0, max_tokens=1, num_speculative_tokens=0)
     rows = []
@@ -100,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             totals["ttft"] += statistics.median(ttft)
             totals["plain"] += (len(answer) - 1) * cost(1)
             for mode in ("adaptive", "oracle"):
-                seconds, steps = replay(prompt, answer, config, mode == "oracle", cost)
+                seconds, steps = replay(prompt, answer, config, mode == "oracle", cost, base_rows)
                 totals[mode] += seconds
                 totals[f"{mode}_steps"] += steps
         plain = totals["plain"]

@@ -63,7 +63,8 @@ ENGINE_FLAGS = [
     ("--spec-ngram-max", "spec_ngram_max", int, "longest n-gram matched for a draft (tried first)"),
     ("--spec-max-step-tokens", "spec_max_step_tokens", int, "most drafted tokens in one step over all requests"),
     ("--spec-step-base-rows", "spec_step_base_rows", float,
-     "a decode step's fixed cost in rows' worth, weighed against the row each drafted token adds"),
+     "a decode step's fixed cost in rows' worth, weighed against the row each drafted token adds "
+     "(0, the default: measured on the engine's own decode steps)"),
     ("--num-threads", "num_threads", int, "torch CPU threads (0: torch's default)"),
 ]
 SERVICE_FLAGS = [

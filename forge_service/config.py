@@ -167,9 +167,10 @@ class SpeculativeConfig:
     # longer bound by reading the weights, and verifying drafts costs as much as new tokens.
     spec_max_step_tokens: int = 16
     # A decode step's cost that does not grow with its rows, in units of one row's cost: drafting
-    # weighs this against the row each drafted token adds. CPU backend, default model, 2 cores:
-    # a step costs about 2.2 + M rows at M rows (bench/speculative.py --step-rows).
-    spec_step_base_rows: float = 2.2
+    # weighs this against the row each drafted token adds. 0: measured on the engine's own decode
+    # steps (speculative/step_cost.py; 2.2 until then, the CPU backend's on the default model and
+    # 2 cores, bench/speculative.py --step-rows); a GPU's is far larger.
+    spec_step_base_rows: float = 0.0
 
     def __post_init__(self) -> None:
         if self.speculative not in ("ngram", "off"):

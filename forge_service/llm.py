@@ -24,7 +24,7 @@ class LLM:
                  max_step_ms_while_decoding: float = SchedulerConfig.max_step_ms_while_decoding,
                  enable_prefix_caching: bool = True, device: str = "cpu", speculative: str = "off",
                  spec_max_draft: int = 8, spec_ngram_min: int = 2, spec_ngram_max: int = 4,
-                 spec_max_step_tokens: int = 16, spec_step_base_rows: float = 2.2,
+                 spec_max_step_tokens: int = 16, spec_step_base_rows: float = 0.0,
                  scheduling_policy: str = "fcfs", lora_modules: str | None = None,
                  max_lora_rank: int = 64, chat_template: str | None = None,
                  generation_config: str = "auto") -> None:

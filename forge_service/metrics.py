@@ -127,6 +127,8 @@ class _EngineGauges(Collector):
             ("forge_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0-1).", "kv_usage"),
             ("forge_kv_cache_blocks_total", "KV-cache blocks.", "kv_blocks_total"),
             ("forge_kv_cache_blocks_used", "KV-cache blocks in use.", "kv_blocks_used"),
+            ("forge_spec_decode_step_base_rows", "Speculative decoding's cost model: a decode step's fixed cost "
+             "in rows' worth, measured on the engine's steps or set (0: not drafting).", "spec_step_base_rows"),
         ]
         for name, doc, attribute in specs:
             family = GaugeMetricFamily(name, doc, labels=_MODEL)

@@ -52,6 +52,8 @@ class EngineStats:
     num_waiting: int
     kv_blocks_used: int
     kv_blocks_total: int
+    # drafting's cost model: a decode step's fixed cost in rows' worth (0: not drafting)
+    spec_step_base_rows: float = 0.0
 
     @property
     def kv_usage(self) -> float:
@@ -456,7 +458,8 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting,
-                           self.kv.num_used_blocks, self.runner.num_blocks)
+                           self.kv.num_used_blocks, self.runner.num_blocks,
+                           self.scheduler.step_base_rows if self.scheduler.proposer is not None else 0.0)
 
 
 def _merge_deltas(outputs: list[CompletionOutput], start: int) -> None:

@@ -11,6 +11,7 @@ from forge_service.engine.request import Request, RequestStatus
 from forge_service.errors import CONTEXT_LENGTH_EXCEEDED, InvalidArgument
 from forge_service.kv_cache.manager import KVCacheManager
 from forge_service.speculative.proposer import NgramProposer
+from forge_service.speculative.step_cost import StepCost
 
 
 # Weight of the latest step in the measured cost of a token: about the last 4 steps that prefilled.
@@ -58,6 +59,9 @@ class Scheduler:
         self._arrivals = itertools.count()
         # Milliseconds a scheduled token costs, measured on the steps that prefill (None: none yet).
         self.token_ms: float | None = None
+        # Decode steps' times by their rows, for drafting's cost model, where the configuration
+        # does not fix its base (spec_step_base_rows 0).
+        self.step_cost = StepCost() if self.proposer is not None and not self.speculative.spec_step_base_rows else None
 
     @property
     def num_waiting(self) -> int:
@@ -138,9 +142,19 @@ class Scheduler:
         cost of a token (an average over recent such steps), which bounds prefill chunks while
         streams decode. Its fixed part, spread over fewer tokens when chunks shrink, raises the
         cost a token is charged: the chunks settle where whole steps take the time allowed."""
-        if out.num_tokens and any(chunk.num_tokens - len(chunk.draft) > 1 for chunk in out.chunks):
+        if not out.num_tokens:
+            return
+        if any(chunk.num_tokens - len(chunk.draft) > 1 for chunk in out.chunks):
             ms = 1000.0 * seconds / out.num_tokens
             self.token_ms = ms if self.token_ms is None else self.token_ms + TOKEN_MS_WEIGHT * (ms - self.token_ms)
+        elif self.step_cost is not None:  # a decode step: its rows are its tokens, drafts included
+            self.step_cost.observe(out.num_tokens, seconds)
+
+    @property
+    def step_base_rows(self) -> float:
+        """A decode step's cost that does not grow with its rows, in rows' worth: the configured
+        spec_step_base_rows, or where that is 0, as measured on this engine's decode steps."""
+        return self.step_cost.base_rows if self.step_cost is not None else self.speculative.spec_step_base_rows
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance the scheduled requests; append sampled tokens. Returns requests that got a token."""
@@ -230,7 +244,7 @@ class Scheduler:
     def _draft_room(self, decodes: int) -> tuple[int, float]:
         """The most tokens this step may draft, and what a verified position must yield to pay for
         its row. With M decode rows a step costs about (base + M) rows' worth (base: the cost that
-        does not grow with rows, spec_step_base_rows), so a plain token costs (base + M) / M rows,
+        does not grow with rows, step_base_rows), so a plain token costs (base + M) / M rows,
         and a drafted one, costing one row, pays when it is kept with probability M / (base + M):
         drafting is nearly free for one stream and worth it only on near-certain drafts for many.
         Where the backend takes rows in blocks (row_block), a row that opens a block costs that
@@ -245,7 +259,7 @@ class Scheduler:
             room = min(room, max(0, self.max_decode_rows - decodes))
         if self.row_block > 1:
             room = min(room, max(0, self.row_block - decodes))
-        return room, decodes / (self.speculative.spec_step_base_rows + decodes) if decodes else 0.0
+        return room, decodes / (self.step_base_rows + decodes) if decodes else 0.0
 
     def _draft(self, request: Request, limit: int, worth: float, block_ids: list[int]) -> tuple[list[int], list[int]]:
         """A draft to verify after the request's last token, with the blocks to hold it; no draft

@@ -35,6 +35,7 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 100
     kv_usage: float = 0.0
+    spec_step_base_rows: float = 0.0
 
 
 class FakeTokenizer:

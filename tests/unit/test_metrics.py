@@ -5,6 +5,7 @@ import pytest
 
 from forge_service import LLM, SamplingParams
 from forge_service.metrics import ServiceMetrics, batch_size_label
+from forge_service.speculative.step_cost import PRIOR_BASE_ROWS, REFIT_EVERY
 from tests.tiny_models import CHATML_TEMPLATE, random_weights, tiny_arch, tiny_tokenizer_json, write_safetensors_dir
 
 MODEL = "tiny"
@@ -125,3 +126,17 @@ def test_a_failed_request_counts_one_error_and_its_sibling_one_abort(tiny_dir, p
     assert value(metrics, "forge_generation_tokens_total") == emitted
     assert value(metrics, "forge_num_requests_running") == 0 and value(metrics, "forge_num_requests_waiting") == 0
     assert value(metrics, "forge_kv_cache_blocks_used") == 0
+
+
+def test_the_drafting_cost_model_s_base_is_a_gauge(tiny_dir) -> None:
+    off = LLM(model=str(tiny_dir), dtype="float32")
+    drafting = LLM(model=str(tiny_dir), dtype="float32", speculative="ngram")
+    fixed = LLM(model=str(tiny_dir), dtype="float32", speculative="ngram", spec_step_base_rows=3.5)
+    assert value(observed(off), "forge_spec_decode_step_base_rows") == 0.0
+    assert value(observed(fixed), "forge_spec_decode_step_base_rows") == 3.5
+    metrics = observed(drafting)
+    assert value(metrics, "forge_spec_decode_step_base_rows") == PRIOR_BASE_ROWS  # nothing measured yet
+    for _ in range(REFIT_EVERY):
+        for rows in (1, 5):  # decode steps of 7.25 ms and a millisecond a row
+            drafting.engine.scheduler.step_cost.observe(rows, (7.25 + rows) / 1000)
+    assert value(metrics, "forge_spec_decode_step_base_rows") == pytest.approx(7.25)

@@ -2,10 +2,14 @@
 to the request and its KV blocks."""
 from __future__ import annotations
 
+import pytest
+
 from forge_service.config import SchedulerConfig, SpeculativeConfig
+from forge_service.engine.outputs import ScheduledChunk, SchedulerOutput
 from forge_service.engine.request import Request, RequestStatus, SamplingParams
 from forge_service.engine.scheduler import Scheduler
 from forge_service.kv_cache.manager import KVCacheManager
+from forge_service.speculative.step_cost import PRIOR_BASE_ROWS, REFIT_EVERY
 
 PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2]  # the bigram (1, 2) was followed by 3, 4, 5, ...
 
@@ -110,3 +114,25 @@ def test_drafts_fill_the_free_rows_of_a_one_block_step_and_open_no_other():
         chunks = sched.schedule().chunks
         assert [len(c.draft) for c in chunks] == drafts
         assert not any(c.draft for c in chunks) or sum(c.num_tokens for c in chunks) == 4
+
+
+def _decode_step(rows: int, sched: Scheduler) -> SchedulerOutput:
+    """A step of one decode row with `rows - 1` drafted tokens."""
+    request = sched.running[0]
+    return SchedulerOutput([ScheduledChunk(request, request.num_computed_tokens, rows, [], list(range(rows - 1)))])
+
+
+def test_a_base_of_0_is_measured_on_the_decode_steps_and_a_set_one_is_kept():
+    measured, _ = running(base_rows=0)
+    fixed, _ = running(base_rows=3.0)
+    assert measured.step_base_rows == PRIOR_BASE_ROWS and fixed.step_base_rows == 3.0
+    assert measured._draft_room(1)[1] == pytest.approx(1 / (PRIOR_BASE_ROWS + 1))
+    for sched in (measured, fixed):
+        prefill = ScheduledChunk(sched.running[0], 0, 6, [])  # 6 prompt tokens: not a decode step
+        for _ in range(REFIT_EVERY):
+            for rows in (1, 5):  # 5 ms fixed, 1 ms a row
+                sched.observe(_decode_step(rows, sched), (5 + rows) / 1000)
+            sched.observe(SchedulerOutput([prefill]), 1.0)
+    assert measured.step_base_rows == pytest.approx(5.0) and fixed.step_base_rows == 3.0
+    # a drafted position now pays if kept with probability 1 / (5 + 1): longer drafts than before
+    assert measured._draft_room(1)[1] == pytest.approx(1 / 6)
