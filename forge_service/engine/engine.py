@@ -459,7 +459,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting,
                            self.kv.num_used_blocks, self.runner.num_blocks,
-                           self.scheduler.step_base_rows if self.scheduler.proposer is not None else 0.0)
+                           self.scheduler.step_base_rows)
 
 
 def _merge_deltas(outputs: list[CompletionOutput], start: int) -> None:

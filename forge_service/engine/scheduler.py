@@ -153,7 +153,10 @@ class Scheduler:
     @property
     def step_base_rows(self) -> float:
         """A decode step's cost that does not grow with its rows, in rows' worth: the configured
-        spec_step_base_rows, or where that is 0, as measured on this engine's decode steps."""
+        spec_step_base_rows, or where that is 0, as measured on this engine's decode steps; 0 where
+        nothing drafts."""
+        if self.proposer is None:
+            return 0.0
         return self.step_cost.base_rows if self.step_cost is not None else self.speculative.spec_step_base_rows
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
