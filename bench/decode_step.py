@@ -11,8 +11,19 @@ machine's read bandwidth (the best of five sums over 512 MB, past any cache). On
 cannot be faster than that; how far above it the measured step sits is the step's work besides
 streaming the weights (Python, the small ops between GEMMs, waiting threads).
 
+With --gemm-bound, also the GEMMs alone: every packed weight (each projection of every layer, and
+the lm_head) multiplied by as many rows as each batch size, one after another as a step runs them,
+on the same native kernels and activation levels as the engine (the best of five rounds). Their
+time is what a step of that many rows spends in GEMMs at the least, and rows over it bounds the
+tokens/s any number of streams can reach here, before attention, Python and serving take their
+share: where it falls short of a target, the arithmetic is the limit, not the bytes. (The inputs
+are Gaussian, so few groups take the second activation level: a slight underestimate of the cost.
+At a row or a few, the weights' bytes bound a step instead, and each of these separate calls adds
+its own start, which the engine's one call per step does not pay: there --floor is the bound.)
+
     python bench/decode_step.py --batch 1,16 --dtype bfloat16
     python bench/decode_step.py --batch 1 --floor
+    python bench/decode_step.py --batch 1,32,64 --gemm-bound
 """
 from __future__ import annotations
 
@@ -28,7 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import machine  # noqa: E402
+from forge_service.backends import cpu_kernels  # noqa: E402
 from forge_service.backends.cpu_kernels import QuantWeight  # noqa: E402
+from forge_service.backends.cpu_linear import CpuWeight  # noqa: E402
 from forge_service.engine.request import SamplingParams  # noqa: E402
 from forge_service.llm import LLM  # noqa: E402
 
@@ -73,6 +86,29 @@ def read_bandwidth(mib: int = 512, tries: int = 5) -> float:
     return data.nbytes / best
 
 
+def native_weights() -> list[CpuWeight]:
+    """Each weight this process holds on the native kernels, once (found by the collector, as
+    packed_weight_bytes finds them), with the activation levels the engine gives it."""
+    weights = {id(o): o for o in gc.get_objects() if type(o) is CpuWeight and o.native is not None}
+    return list(weights.values())
+
+
+def gemm_bound(weights: list[CpuWeight], rows: int, rounds: int = 5) -> dict[str, float]:
+    """The GEMMs of a step of `rows` rows: every weight times `rows` bf16 rows, in turn, on the native
+    kernels at its levels; the best of `rounds` passes. Returns the pass's time (ms), its
+    multiply-adds per second (GMAC/s) and rows per second (the tokens/s that time allows)."""
+    inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {w.native.shape[1] for w in weights}}
+    macs = rows * sum(n * k for n, k in (w.native.shape for w in weights))
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for w in weights:
+            cpu_kernels.linear(inputs[w.native.shape[1]], w.native, w.levels)
+        best = min(best, time.perf_counter() - start)
+    return {"rows": rows, "gemm_ms": round(best * 1000, 2), "gmac_s": round(macs / best / 1e9, 1),
+            "tok_s_bound": round(rows / best, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -81,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--floor", action="store_true",
                         help="also the step time the weights' bytes alone take at this machine's read bandwidth")
+    parser.add_argument("--gemm-bound", action="store_true",
+                        help="also the GEMMs alone at each batch size, and the tokens/s they allow")
     args = parser.parse_args(argv)
     llm = LLM(model=args.model, dtype=args.dtype)
     decode_steps_ms(llm, 1, 4, "warmup")
@@ -103,6 +141,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"a step takes at least {floor_ms:.2f} ms ({1000 / floor_ms:.1f} tok/s at one stream)")
         else:
             print("no packed weights in this process (a dense model or backend): no floor from them")
+    if args.gemm_bound:
+        weights = native_weights()
+        if weights:
+            report["gemm_bound"] = [gemm_bound(weights, batch) for batch in args.batch]
+            for bound in report["gemm_bound"]:
+                print(f"batch {bound['rows']:>3}: GEMMs alone {bound['gemm_ms']:7.2f} ms  {bound['gmac_s']:6.1f} GMAC/s"
+                      f"  at most {bound['tok_s_bound']:7.1f} tok/s")
+        else:
+            print("no weights on the native kernels in this process: no GEMM bound")
     print(json.dumps(report))
     return 0
 

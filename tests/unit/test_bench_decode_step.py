@@ -28,3 +28,31 @@ def test_read_bandwidth_is_the_bytes_over_the_fastest_sum(monkeypatch) -> None:
     times = iter([10.0, 10.5, 20.0, 20.25, 30.0, 30.125])  # sums of 0.5, 0.25 and 0.125 s
     monkeypatch.setattr(decode_step.time, "perf_counter", lambda: next(times))
     assert decode_step.read_bandwidth(mib=1, tries=3) == (1 << 20) / 0.125
+
+
+def test_native_weights_are_each_weight_on_the_native_kernels_once() -> None:
+    from forge_service.backends.cpu_linear import CpuWeight
+
+    gc.collect()
+    before = {id(w) for w in decode_step.native_weights()}
+    native = CpuWeight(native=cpu_kernels.pack_q8(torch.randn(32, 64)), levels=1)
+    torch_only = CpuWeight(int8=torch.zeros(32, 64, dtype=torch.int8))  # torch's form: not the native kernels'
+    held = [native, native, torch_only]
+    assert [w for w in decode_step.native_weights() if id(w) not in before] == [native]
+    del held, native, torch_only
+
+
+def test_gemm_bound_times_every_weight_at_its_levels_and_keeps_the_fastest_pass(monkeypatch) -> None:
+    from forge_service.backends.cpu_linear import CpuWeight
+
+    weights = [CpuWeight(native=cpu_kernels.pack_q8(torch.randn(48, 64)), levels=1),
+               CpuWeight(native=cpu_kernels.pack_q8(torch.randn(32, 96)), levels=2)]
+    calls = []
+    monkeypatch.setattr(decode_step.cpu_kernels, "linear",
+                        lambda x, w, levels: calls.append((tuple(x.shape), w.shape, levels, x.dtype)))
+    times = iter([1.0, 1.0005, 2.0, 2.00025, 3.0, 3.0005])  # passes of 0.5, 0.25 and 0.5 ms
+    monkeypatch.setattr(decode_step.time, "perf_counter", lambda: next(times))
+    bound = decode_step.gemm_bound(weights, rows=64, rounds=3)
+    assert calls == 3 * [((64, 64), (48, 64), 1, torch.bfloat16), ((64, 96), (32, 96), 2, torch.bfloat16)]
+    # 64 rows x (48 x 64 + 32 x 96) = 393,216 multiply-adds in 0.25 ms
+    assert bound == {"rows": 64, "gemm_ms": 0.25, "gmac_s": 1.6, "tok_s_bound": 256000.0}
