@@ -1,5 +1,5 @@
 """bench/decode_step.py --floor: the packed weights a decode step streams, and the read bandwidth
-they are divided by."""
+they are divided by; --gemm-bound: the GEMMs of a step timed alone."""
 from __future__ import annotations
 
 import gc
@@ -8,6 +8,7 @@ import torch
 
 from bench import decode_step
 from forge_service.backends import cpu_kernels
+from forge_service.backends.cpu_linear import CpuWeight
 
 
 def test_packed_weight_bytes_counts_each_packed_weight_once_with_its_scales_and_offsets() -> None:
@@ -31,8 +32,6 @@ def test_read_bandwidth_is_the_bytes_over_the_fastest_sum(monkeypatch) -> None:
 
 
 def test_native_weights_are_each_weight_on_the_native_kernels_once() -> None:
-    from forge_service.backends.cpu_linear import CpuWeight
-
     gc.collect()
     before = {id(w) for w in decode_step.native_weights()}
     native = CpuWeight(native=cpu_kernels.pack_q8(torch.randn(32, 64)), levels=1)
@@ -43,8 +42,6 @@ def test_native_weights_are_each_weight_on_the_native_kernels_once() -> None:
 
 
 def test_gemm_bound_times_every_weight_at_its_levels_and_keeps_the_fastest_pass(monkeypatch) -> None:
-    from forge_service.backends.cpu_linear import CpuWeight
-
     weights = [CpuWeight(native=cpu_kernels.pack_q8(torch.randn(48, 64)), levels=1),
                CpuWeight(native=cpu_kernels.pack_q8(torch.randn(32, 96)), levels=2)]
     calls = []
