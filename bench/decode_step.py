@@ -20,6 +20,8 @@ share: where it falls short of a target, the arithmetic is the limit, not the by
 are Gaussian, so few groups take the second activation level: a slight underestimate of the cost.
 At a row or a few, the weights' bytes bound a step instead, and each of these separate calls adds
 its own start, which the engine's one call per step does not pay: there --floor is the bound.)
+Their GMAC/s is then given as a share of what bench/product_rate.py's loops reach in the same run,
+on as many threads: the kernels' int8 product instruction alone, and in the GEMM's inner step.
 
     python bench/decode_step.py --batch 1,16 --dtype bfloat16
     python bench/decode_step.py --batch 1 --floor
@@ -31,13 +33,16 @@ import argparse
 import gc
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import product_rate  # noqa: E402
 from bench.common import machine  # noqa: E402
 from forge_service.backends import cpu_kernels  # noqa: E402
 from forge_service.backends.cpu_kernels import QuantWeight  # noqa: E402
@@ -109,6 +114,23 @@ def gemm_bound(weights: list[CpuWeight], rows: int, rounds: int = 5) -> dict[str
             "tok_s_bound": round(rows / best, 1)}
 
 
+def product_shares(bounds: list[dict[str, float]], rates: list[dict[str, object]]) -> list[dict[str, float]]:
+    """Each GEMM bound's GMAC/s as a share of each product-rate loop's (bench/product_rate.py rows)."""
+    return [{"rows": bound["rows"], **{str(rate["loop"]): round(bound["gmac_s"] / float(rate["gmac_s"]), 3)
+                                       for rate in rates}} for bound in bounds]
+
+
+def product_rates(threads: int) -> list[dict[str, object]]:
+    """bench/product_rate.py's loops for the kernels' build on `threads` threads (none without a compiler)."""
+    isa = product_rate.default_isa()
+    try:
+        with tempfile.TemporaryDirectory(prefix="forge-product-rate-") as directory:
+            binary = product_rate.build(isa, Path(directory))
+            return product_rate.measure(binary, isa, threads, 5_000_000, 20)
+    except (OSError, subprocess.CalledProcessError):
+        return []
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -148,6 +170,17 @@ def main(argv: list[str] | None = None) -> int:
             for bound in report["gemm_bound"]:
                 print(f"batch {bound['rows']:>3}: GEMMs alone {bound['gemm_ms']:7.2f} ms  {bound['gmac_s']:6.1f} GMAC/s"
                       f"  at most {bound['tok_s_bound']:7.1f} tok/s")
+            rates = product_rates(torch.get_num_threads())
+            if rates:
+                report["product_rate"] = rates
+                report["gemm_share_of_products"] = product_shares(report["gemm_bound"], rates)
+                print("the same threads' int8 products (bench/product_rate.py): " +
+                      ", ".join(f"{r['loop']} {r['gmac_s']} GMAC/s" for r in rates))
+                for share in report["gemm_share_of_products"]:
+                    print(f"batch {share['rows']:>3}: the GEMMs reach " +
+                          ", ".join(f"{share[str(r['loop'])]:.0%} of {r['loop']}" for r in rates))
+            else:
+                print("no C compiler for bench/product_rate.py's probe: no share of the product rate")
         else:
             print("no weights on the native kernels in this process: no GEMM bound")
     print(json.dumps(report))

@@ -155,8 +155,8 @@ int main(int argc, char **argv) {
 
 
 def default_isa() -> str:
-    """The build the native kernels run on this CPU: avx512 (VNNI) or avx2."""
-    return "avx512" if cpu_kernels.cpu_runs_avx512() else "avx2"
+    """The build the native kernels run on this CPU (FORGE_CPU_KERNELS=avx2 included): avx512 (VNNI) or avx2."""
+    return "avx2" if "-DFORGE_AVX2" in cpu_kernels.build_flags() else "avx512"
 
 
 def build(isa: str, directory: Path) -> Path:

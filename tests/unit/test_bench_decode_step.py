@@ -53,3 +53,29 @@ def test_gemm_bound_times_every_weight_at_its_levels_and_keeps_the_fastest_pass(
     assert calls == 3 * [((64, 64), (48, 64), 1, torch.bfloat16), ((64, 96), (32, 96), 2, torch.bfloat16)]
     # 64 rows x (48 x 64 + 32 x 96) = 393,216 multiply-adds in 0.25 ms
     assert bound == {"rows": 64, "gemm_ms": 0.25, "gmac_s": 1.6, "tok_s_bound": 256000.0}
+
+
+def test_product_shares_are_each_bound_over_each_loop() -> None:
+    bounds = [{"rows": 1, "gemm_ms": 9.0, "gmac_s": 15.0, "tok_s_bound": 111.1},
+              {"rows": 32, "gemm_ms": 54.0, "gmac_s": 80.0, "tok_s_bound": 592.6}]
+    rates = [{"loop": "product", "threads": 2, "g_instr_s": 11.72, "gmac_s": 375.0},
+             {"loop": "broadcast+product+add", "threads": 2, "g_instr_s": 5.0, "gmac_s": 160.0}]
+    assert decode_step.product_shares(bounds, rates) == [
+        {"rows": 1, "product": 0.04, "broadcast+product+add": 0.094},
+        {"rows": 32, "product": 0.213, "broadcast+product+add": 0.5}]
+
+
+def test_product_rates_run_the_kernels_build_on_the_given_threads(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(decode_step.product_rate, "build", lambda isa, directory: directory / isa)
+    monkeypatch.setattr(decode_step.product_rate, "measure",
+                        lambda binary, isa, threads, iterations, rounds: calls.append((binary.name, isa, threads))
+                        or [{"loop": "product", "threads": threads, "g_instr_s": 1.0, "gmac_s": 32.0}])
+    rows = decode_step.product_rates(3)
+    isa = "avx2" if "-DFORGE_AVX2" in cpu_kernels.build_flags() else "avx512"
+    assert calls == [(isa, isa, 3)] and rows[0]["threads"] == 3
+
+
+def test_product_rates_are_none_without_a_compiler(monkeypatch) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert decode_step.product_rates(2) == []
