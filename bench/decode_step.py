@@ -121,7 +121,8 @@ def product_shares(bounds: list[dict[str, float]], rates: list[dict[str, object]
 
 
 def product_rates(threads: int) -> list[dict[str, object]]:
-    """bench/product_rate.py's loops for the kernels' build on `threads` threads (none without a compiler)."""
+    """bench/product_rate.py's loops for the kernels' build on `threads` threads (none where the probe
+    does not build or run: no compiler, or not this CPU's instructions)."""
     isa = product_rate.default_isa()
     try:
         with tempfile.TemporaryDirectory(prefix="forge-product-rate-") as directory:
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"batch {share['rows']:>3}: the GEMMs reach " +
                           ", ".join(f"{share[str(r['loop'])]:.0%} of {r['loop']}" for r in rates))
             else:
-                print("no C compiler for bench/product_rate.py's probe: no share of the product rate")
+                print("bench/product_rate.py's probe did not build or run here: no share of the product rate")
         else:
             print("no weights on the native kernels in this process: no GEMM bound")
     print(json.dumps(report))
