@@ -16,7 +16,7 @@ the lm_head) multiplied by as many rows as each batch size, one after another as
 on the same native kernels and activation levels as the engine (the best of five rounds). Their
 time is what a step of that many rows spends in GEMMs at the least, and rows over it bounds the
 tokens/s any number of streams can reach here, before attention, Python and serving take their
-share: where it falls short of a target, the arithmetic is the limit, not the bytes. (The inputs
+share: where it falls short of a target, the GEMMs' compute is the limit, not the bytes. (The inputs
 are Gaussian, so few groups take the second activation level: a slight underestimate of the cost.
 At a row or a few, the weights' bytes bound a step instead, and each of these separate calls adds
 its own start, which the engine's one call per step does not pay: there --floor is the bound.)
@@ -35,7 +35,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -123,11 +122,8 @@ def product_shares(bounds: list[dict[str, float]], rates: list[dict[str, object]
 def product_rates(threads: int) -> list[dict[str, object]]:
     """bench/product_rate.py's loops for the kernels' build on `threads` threads (none where the probe
     does not build or run: no compiler, or not this CPU's instructions)."""
-    isa = product_rate.default_isa()
     try:
-        with tempfile.TemporaryDirectory(prefix="forge-product-rate-") as directory:
-            binary = product_rate.build(isa, Path(directory))
-            return product_rate.measure(binary, isa, threads, 5_000_000, 20)
+        return product_rate.run(product_rate.default_isa(), [threads])
     except (OSError, subprocess.CalledProcessError):
         return []
 

@@ -38,6 +38,9 @@ from forge_service.backends import cpu_kernels  # noqa: E402
 # Multiply-adds one instruction does: VPMADDUBSW on 32 byte pairs, VPDPBUSD on 64.
 MACS = {"avx2": 32, "avx512": 64}
 FLAGS = {"avx2": ["-mavx2"], "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vnni"]}
+# Many short rounds, the fastest reported: on a shared machine a quiet moment is the ceiling's measure.
+ITERATIONS = 5_000_000  # loop iterations a thread, a round
+ROUNDS = 20
 
 SOURCE = r"""
 #include <omp.h>
@@ -186,22 +189,27 @@ def measure(binary: Path, isa: str, threads: int, iterations: int, rounds: int) 
     return parse(result.stdout, isa, threads)
 
 
+def run(isa: str, threads: list[int], iterations: int = ITERATIONS, rounds: int = ROUNDS) -> list[dict[str, object]]:
+    """Build the probe for `isa` in a temporary directory and measure it on each thread count in turn."""
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory(prefix="forge-product-rate-") as directory:
+        binary = build(isa, Path(directory))
+        for count in dict.fromkeys(threads):
+            rows.extend(measure(binary, isa, count, iterations, rounds))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--isa", choices=sorted(MACS), default=None,
                         help="the loops' instruction set (default: the build the kernels run here)")
     parser.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, len(os.sched_getaffinity(0))])
-    # Many short rounds, the fastest reported: on a shared machine a quiet moment is the ceiling's measure.
-    parser.add_argument("--iterations", type=int, default=5_000_000, help="loop iterations a thread, a round")
-    parser.add_argument("--rounds", type=int, default=20, help="the fastest round is reported")
+    parser.add_argument("--iterations", type=int, default=ITERATIONS, help="loop iterations a thread, a round")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="the fastest round is reported")
     args = parser.parse_args(argv)
     isa = args.isa or default_isa()
-    rows: list[dict[str, object]] = []
-    with tempfile.TemporaryDirectory(prefix="forge-product-rate-") as directory:
-        binary = build(isa, Path(directory))
-        for threads in dict.fromkeys(args.threads):
-            rows.extend(measure(binary, isa, threads, args.iterations, args.rounds))
+    rows = run(isa, args.threads, args.iterations, args.rounds)
     for row in rows:
         print(f"{row['loop']:<22} {row['threads']:>2} thread(s): {row['g_instr_s']:7.3f} G instructions/s  "
               f"{row['gmac_s']:7.1f} GMAC/s")
