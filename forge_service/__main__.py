@@ -55,7 +55,8 @@ ENGINE_FLAGS = [
     ("--max-grammar-bytes", "max_grammar_bytes", int,
      "largest structured-output schema, regex or grammar, in bytes; past it INVALID_ARGUMENT"),
     ("--grammar-compile-timeout-s", "grammar_compile_timeout_s", float,
-     "time limit on compiling one structured-output constraint; past it INVALID_ARGUMENT"),
+     "CPU time limit on compiling one structured-output constraint; past it INVALID_ARGUMENT (past 10 "
+     "times it in wall-clock time, waiting for a core, RESOURCE_EXHAUSTED)"),
     ("--speculative", "speculative", str,
      "ngram (default): draft tokens from the request's own prompt and output, verify them in the step; or off"),
     ("--spec-max-draft", "spec_max_draft", int, "most tokens one request drafts per step (adapted down per request)"),

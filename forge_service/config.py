@@ -147,7 +147,8 @@ class SchedulerConfig:
 class StructuredConfig:
     # Largest schema, regex, choice list or grammar one request may send, in bytes.
     max_grammar_bytes: int = 128 * 1024
-    # Wall-clock limit on compiling one constraint; past it the request gets INVALID_ARGUMENT.
+    # Limit on the CPU time compiling one constraint takes; past it the request gets INVALID_ARGUMENT
+    # (and past 10 times it in wall-clock time, waiting for a core, RESOURCE_EXHAUSTED).
     grammar_compile_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:

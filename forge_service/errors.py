@@ -47,7 +47,7 @@ class ModelNotFound(ForgeError):
 
 
 class QueueFull(ForgeError):
-    """A bounded queue is full: worth retrying later. The only error answered RESOURCE_EXHAUSTED
+    """A bounded queue is full, or a bounded wait for the server's CPU ran out: worth retrying later. The only error answered RESOURCE_EXHAUSTED
     by Forge itself, and marked so (trailing metadata `forge-error-kind: queue_full`) that a client
     can tell it from gRPC's own RESOURCE_EXHAUSTED for an over-large message."""
 

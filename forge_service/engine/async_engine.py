@@ -124,7 +124,8 @@ class AsyncEngine:
 
     async def compile_constraint(self, params: SamplingParams) -> None:
         """Compile params.constraint off the event loop and the engine thread (the grammar
-        compiler's pool), raising InvalidArgument with the backend's reason. The request then
+        compiler's pool), raising InvalidArgument with the backend's reason (QueueFull where compiles
+        are backed up, or one waited too long for a core). The request then
         reaches add_request as a cache hit, so the step loop never waits on a compile."""
         if params.constraint is None:
             return

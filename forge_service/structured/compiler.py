@@ -7,13 +7,20 @@ bitmask (see bitmask.py) for the constrained rows before sampling.
 
 Constraints come from clients, so a compile is bounded three ways: the spec's size
 (`max_spec_bytes`), the backend's own work limits (llguidance's lexer fuel and state caps,
-llguidance_backend.py), and a wall-clock `compile_timeout_s` after which the request gets
-INVALID_ARGUMENT whatever the compile thread is still doing. Compile threads get a large stack:
-the backend recurses over a grammar's rule chains, and a deep chain must not overflow it.
+llguidance_backend.py), and a time limit, `compile_timeout_s`, after which the request gets
+INVALID_ARGUMENT whatever the compile thread is still doing. The limit is on the CPU time the
+compiling thread has used, not on the wall clock: on a busy server (the step's threads on every
+core) a compile of a few milliseconds can wait far longer than that for a core or the GIL, and a
+wall-clock limit refused it for the server's load rather than for its own work. A compile that
+gets no CPU at all is still bounded: past WALL_FACTOR times the limit in wall-clock time it is
+refused with RESOURCE_EXHAUSTED (the server's load, worth retrying). Where the platform gives no clock for another thread's CPU time, the limit is on the
+wall clock alone. Compile threads get a large stack: the backend recurses over a grammar's rule
+chains, and a deep chain must not overflow it.
 """
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,7 +36,8 @@ from forge_service.structured.constraint import Constraint
 
 
 MAX_SPEC_BYTES = 128 * 1024  # OpenAI allows ~120k characters of names and values in one schema
-COMPILE_TIMEOUT_S = 0.5
+COMPILE_TIMEOUT_S = 0.5  # of the compiling thread's CPU time
+WALL_FACTOR = 10  # a compile waiting for CPU is refused past this many times its limit in wall-clock time
 MAX_QUEUED_COMPILES = 64  # compiles waiting for a thread; more are refused (RESOURCE_EXHAUSTED)
 COMPILE_STACK_BYTES = 256 * 1024 * 1024  # reserved, not committed: ~2.7 KB per level of rule chain
 _STACK_SIZE_LOCK = threading.Lock()  # threading.stack_size is process-wide: set it only around a spawn
@@ -57,7 +65,9 @@ class GrammarCompiler:
     (constraint, tokenizer)): a repeated schema returns the same CompiledGrammar without
     work, and concurrent requests for one schema share one compile. Failed compiles are not
     cached; they raise forge_service.errors.InvalidArgument with the backend's reason, or
-    when the spec is over `max_spec_bytes` or the compile runs past `compile_timeout_s`.
+    when the spec is over `max_spec_bytes` or the compile uses more than `compile_timeout_s`
+    of CPU time; a compile that takes WALL_FACTOR times that in wall-clock time without using it
+    raises forge_service.errors.QueueFull (RESOURCE_EXHAUSTED).
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int], *,
@@ -172,18 +182,17 @@ class GrammarCompiler:
             self._queued -= 1
         if not future.set_running_or_notify_cancel():
             return
-        timer = threading.Timer(self.compile_timeout_s, _settle, (future, None, InvalidArgument(
-            f"structured output {constraint.kind} did not compile within {self.compile_timeout_s:g} s; "
-            f"simplify it")))
-        timer.daemon = True
+        finished = threading.Event()
         try:
             self.backend  # noqa: B018 -- indexing the vocabulary is start-up work, outside the time limit
-            timer.start()
+            threading.Thread(target=_watch, args=(future, finished, constraint.kind, self.compile_timeout_s,
+                                                  _thread_cpu_clock()),
+                             name="forge-grammar-watch", daemon=True).start()
             _settle(future, self._compile(constraint), None)
         except Exception as e:  # handed to the waiting request, which reports it
             _settle(future, None, e)
         finally:
-            timer.cancel()
+            finished.set()
 
     def _compile(self, constraint: Constraint) -> CompiledGrammar:
         grammar = self.backend.compile(constraint)
@@ -194,6 +203,43 @@ class GrammarCompiler:
             with self._lock:
                 if self._cache.get(constraint) is future:
                     del self._cache[constraint]
+
+
+def _thread_cpu_clock() -> int | None:
+    """The calling thread's CPU-time clock, which other threads can read; None where there is none."""
+    try:
+        return time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):  # not on this platform
+        return None
+
+
+def _watch(future: Future[CompiledGrammar], finished: threading.Event, kind: str, limit_s: float,
+           clock: int | None) -> None:
+    """Fail `future` once its compile (on the thread whose CPU clock is `clock`) has used `limit_s` of
+    CPU time (INVALID_ARGUMENT: the constraint's own work), or has taken WALL_FACTOR * limit_s in
+    wall-clock time without that (RESOURCE_EXHAUSTED: the server's load; worth retrying); return once
+    `finished` is set. Without a clock, `limit_s` of wall-clock time is INVALID_ARGUMENT. The pool's
+    threads outlive a compile, so CPU time counts from the compile's start; and it grows no faster
+    than the wall clock, so waiting for what is left of the limit never overshoots it."""
+    start_wall = time.monotonic()
+    try:
+        start_cpu = time.clock_gettime(clock) if clock is not None else 0.0
+        while not finished.is_set():
+            wall_s = time.monotonic() - start_wall
+            cpu_s = time.clock_gettime(clock) - start_cpu if clock is not None else wall_s
+            if cpu_s >= limit_s:
+                what = "of CPU time" if clock is not None else "(wall clock)"
+                _settle(future, None, InvalidArgument(
+                    f"structured output {kind} did not compile within {limit_s:g} s {what}; simplify it"))
+                return
+            if wall_s >= WALL_FACTOR * limit_s:
+                _settle(future, None, QueueFull(
+                    f"structured output {kind} waited {wall_s:.3g} s for a core to compile on ({cpu_s:.3g} s "
+                    f"of CPU time used of its {limit_s:g} s); the server is busy, retry later"))
+                return
+            finished.wait(min(limit_s - cpu_s, WALL_FACTOR * limit_s - wall_s))
+    except OSError:  # the compile's thread is gone: the compile is over
+        return
 
 
 def _settle(future: Future[CompiledGrammar], result: CompiledGrammar | None, error: Exception | None) -> None:

@@ -72,10 +72,10 @@ def test_random_schemas_sampled_with_drafting_give_valid_json() -> None:
     rnd = random.Random(20261128)
     schemas = [schema(rnd) for _ in range(NUM_SCHEMAS)]
     llm = LLM(speculative="ngram")  # the server's defaults: bf16, n-gram drafting
-    # The compile budget (0.5 s of wall time) guards a server against runaway schemas, and
-    # test_structured_limits.py tests it. These compiles take 2-26 ms, but late in a long test
-    # process one was held past 0.5 s (a collector pause or another test's thread): this test is
-    # about drafting under a grammar, so it gives the compiles room.
+    # The compile budget (0.5 s of the compiling thread's CPU time) guards a server against runaway
+    # schemas, and test_structured_limits.py tests it. These compiles take 2-26 ms; when the budget
+    # was wall-clock time, late in a long test process one was held past it (a collector pause or
+    # another test's thread). This test is about drafting under a grammar, so it gives them room.
     llm.engine.grammar_compiler.compile_timeout_s = 30.0
     tokenizer = llm.engine.tokenizer
     prompts, params = [], []

@@ -17,6 +17,7 @@ import pytest
 from forge_service.errors import InvalidArgument, QueueFull
 from forge_service.pb import forge_pb2 as pb
 from forge_service.structured import BACKENDS, Constraint, GrammarCompiler, GrammarMatcher, allocate_token_bitmask
+from forge_service.structured import compiler as compiler_module
 from tests.unit.fakes import FakeEngine
 from tests.unit.test_server_fake_engine import code_of, run, text_request
 from tests.unit.test_structured import EOS, ids, tok  # noqa: F401 (fixture)
@@ -114,7 +115,8 @@ def test_a_spec_over_the_size_limit_is_refused_without_compiling(tok):  # noqa: 
 
 
 class _SlowBackend:
-    """Compiles 'slow' in `delay` seconds, anything else at once."""
+    """Compiles 'slow' in `delay` seconds of waiting (no CPU time: as a compile waiting for a core
+    does), 'wait S' in S seconds of it, 'busy S' in S seconds of work (CPU time), anything else at once."""
 
     delay = 3.0
     started = threading.Event()
@@ -126,6 +128,12 @@ class _SlowBackend:
         if constraint.spec.startswith("slow"):
             self.started.set()
             time.sleep(self.delay)
+        elif constraint.spec.startswith("wait "):
+            time.sleep(float(constraint.spec.split()[1]))
+        elif constraint.spec.startswith("busy "):
+            end = time.thread_time() + float(constraint.spec.split()[1])
+            while time.thread_time() < end:
+                pass
         return object()
 
 
@@ -136,15 +144,51 @@ def slow_backend(monkeypatch):
     return _SlowBackend
 
 
-def test_a_compile_past_its_time_limit_is_invalid_argument(slow_backend):
+def test_a_compile_past_its_cpu_time_limit_is_invalid_argument(slow_backend):
     c = GrammarCompiler(None, 256, [0], backend="slow", compile_timeout_s=0.2)
     try:
         started = time.perf_counter()
-        with pytest.raises(InvalidArgument, match=r"did not compile within 0.2 s"):
-            c.compile(Constraint("regex", "slow"))
-        assert time.perf_counter() - started < 1.0
-        assert not c.cached(Constraint("regex", "slow"))
+        with pytest.raises(InvalidArgument, match=r"did not compile within 0.2 s of CPU time"):
+            c.compile(Constraint("regex", "busy 3"))
+        assert time.perf_counter() - started < 1.5  # 0.2 s of CPU, not the compile's 3
+        assert not c.cached(Constraint("regex", "busy 3"))
         assert c.compile(Constraint("regex", "fast")) is not None  # the other thread still serves
+    finally:
+        c.shutdown()
+
+
+def test_a_compile_waiting_for_a_core_is_not_charged_for_the_wait(slow_backend):
+    """A compile held up past its limit by the server's load (here: a wait that uses no CPU) still
+    compiles, where a wall-clock limit refused it."""
+    c = GrammarCompiler(None, 256, [0], backend="slow", compile_timeout_s=0.2)
+    try:
+        assert c.compile(Constraint("regex", "wait 0.7")) is not None
+        assert c.cached(Constraint("regex", "wait 0.7"))
+    finally:
+        c.shutdown()
+
+
+def test_a_compile_waiting_past_ten_times_its_limit_is_resource_exhausted(slow_backend):
+    c = GrammarCompiler(None, 256, [0], backend="slow", compile_timeout_s=0.1)
+    try:
+        started = time.perf_counter()
+        with pytest.raises(QueueFull, match=r"waited 1(\.\d+)? s for a core .*the server is busy, retry later"):
+            c.compile(Constraint("regex", "slow"))
+        assert 1.0 <= time.perf_counter() - started < 2.5
+        assert not c.cached(Constraint("regex", "slow"))
+        assert c.compile(Constraint("regex", "fast")) is not None
+    finally:
+        c.shutdown()
+
+
+def test_without_a_thread_cpu_clock_the_limit_is_wall_clock(slow_backend, monkeypatch):
+    monkeypatch.setattr(compiler_module, "_thread_cpu_clock", lambda: None)
+    c = GrammarCompiler(None, 256, [0], backend="slow", compile_timeout_s=0.2)
+    try:
+        started = time.perf_counter()
+        with pytest.raises(InvalidArgument, match=r"did not compile within 0.2 s \(wall clock\)"):
+            c.compile(Constraint("regex", "wait 3"))
+        assert time.perf_counter() - started < 1.5
     finally:
         c.shutdown()
 
@@ -196,6 +240,24 @@ def test_the_server_answers_hostile_constraints_fast_and_stays_healthy(compiler)
     assert all(a[2] < 1000 for a in answers[1:])  # no error quotes a spec whole
     assert health.ready and ok.choices[0].text == "xy"
 
+
+def test_the_server_answers_a_compile_starved_of_cpu_resource_exhausted(slow_backend):
+    """RESOURCE_EXHAUSTED, marked queue_full (the gateway's 429, worth retrying): the server's load,
+    not the constraint, held the compile up."""
+    compiler = GrammarCompiler(None, 256, [0], backend="slow", compile_timeout_s=0.05)
+
+    async def body(h):
+        try:
+            await h.stub.Generate(text_request("abc", max_tokens=2, regex="slow"))
+        except grpc.aio.AioRpcError as e:
+            return e.code(), dict(e.trailing_metadata() or ()), e.details()
+
+    try:
+        code, trailing, details = run(body, _GrammarFake(compiler))
+    finally:
+        compiler.shutdown()
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in details
+    assert trailing.get("forge-error-kind") == "queue_full"
 
 
 def test_flags_and_variables_set_the_grammar_limits():
