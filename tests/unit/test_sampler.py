@@ -291,6 +291,23 @@ def test_ops_argmax_and_topk_match_torch(vocab: int) -> None:
         assert torch.equal(values, x.topk(k).values) and torch.equal(indices, x.topk(k).indices)
 
 
+def test_ops_argmax_on_cpu_and_on_any_device_agree_with_torch() -> None:
+    """The CPU's numpy pass and the blocked reductions other devices take give torch's index: the
+    first of tied maxima (within a block and across blocks), NaN as the maximum, 0 for a row masked
+    whole, on strided views too; bf16 takes the blocked path."""
+    x = torch.randn(7, 4099, generator=torch.Generator().manual_seed(1))
+    x[1, 3] = x[1, 200] = 40.0  # tied within a block
+    x[2, 10] = x[2, 4000] = 40.0  # tied across blocks
+    x[3, 2500] = float("nan")
+    x[4] = float("-inf")
+    x[5, 4098] = 50.0  # in the last, padded block
+    for view in (x, x[::2], x[:, 1:]):
+        expected = view.argmax(-1)
+        assert torch.equal(ops.argmax(view), expected) and torch.equal(ops._blocked_argmax(view), expected)
+    half = x.to(torch.bfloat16)
+    assert torch.equal(ops.argmax(half), half.argmax(-1))
+
+
 @pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])
 def test_ops_mass_threshold_matches_a_sort(scale: float) -> None:
     probs = torch.softmax(torch.randn(16, 5000, generator=torch.Generator().manual_seed(1)) * scale, -1)
