@@ -47,9 +47,10 @@ class ModelNotFound(ForgeError):
 
 
 class QueueFull(ForgeError):
-    """A bounded queue is full, or a bounded wait for the server's CPU ran out: worth retrying later. The only error answered RESOURCE_EXHAUSTED
-    by Forge itself, and marked so (trailing metadata `forge-error-kind: queue_full`) that a client
-    can tell it from gRPC's own RESOURCE_EXHAUSTED for an over-large message."""
+    """A bounded queue is full, or a bounded wait for the server's CPU ran out: worth retrying later.
+    The only error answered RESOURCE_EXHAUSTED by Forge itself, and marked so (trailing metadata
+    `forge-error-kind: queue_full`) that a client can tell it from gRPC's own RESOURCE_EXHAUSTED for
+    an over-large message."""
 
     code = "RESOURCE_EXHAUSTED"
     kind = QUEUE_FULL

@@ -169,9 +169,8 @@ class ModelRunner:
 
     def _flat_inputs(self, chunks: list[ScheduledChunk]):
         """The step's token ids, positions and cache slots (each token's: its block's first slot plus
-        its offset in the block), its sampled rows, and the block tables of its first `decodes`
-        chunks. Python lists, then one tensor each: at one stream, torch's small-tensor ops took
-        0.22 ms of a 6 ms step here."""
+        its offset in the block), and its sampled rows. Python lists, then one tensor each: at one
+        stream, torch's small-tensor ops took 0.22 ms of a 6 ms step here."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []

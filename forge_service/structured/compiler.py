@@ -13,9 +13,10 @@ compiling thread has used, not on the wall clock: on a busy server (the step's t
 core) a compile of a few milliseconds can wait far longer than that for a core or the GIL, and a
 wall-clock limit refused it for the server's load rather than for its own work. A compile that
 gets no CPU at all is still bounded: past WALL_FACTOR times the limit in wall-clock time it is
-refused with RESOURCE_EXHAUSTED (the server's load, worth retrying). Where the platform gives no clock for another thread's CPU time, the limit is on the
-wall clock alone. Compile threads get a large stack: the backend recurses over a grammar's rule
-chains, and a deep chain must not overflow it.
+refused with RESOURCE_EXHAUSTED (the server's load, worth retrying). Where the platform gives no
+clock for another thread's CPU time, the limit is on the wall clock alone. Compile threads get a
+large stack: the backend recurses over a grammar's rule chains, and a deep chain must not overflow
+it.
 """
 from __future__ import annotations
 
