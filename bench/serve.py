@@ -1,10 +1,13 @@
 """Online serving benchmark: streaming load against the OpenAI gateway.
 
 For each concurrency level (default 1, 4, 16, 32, 64), `concurrency` clients send streaming
-requests back to back until --num-requests are done; the run is repeated --repeats times.
-Reported: TTFT and inter-token latency (ITL: gaps between content chunks) p50/p99 over all
-requests of all repeats, TPOT p50 ((latency - TTFT) / (tokens - 1)), output tokens/s (median over
-repeats), and errors. Prints a table, writes JSON, and records the machine the client ran on.
+requests back to back until --num-requests are done. With --repeats N the levels run in turn N
+times (1, 4, ..., 64, 1, 4, ...), so that a drift of the machine within the run falls on every
+level alike. Reported: TTFT and inter-token latency (ITL: gaps between content chunks) p50/p99
+over all requests of all repeats, TPOT p50 ((latency - TTFT) / (tokens - 1)), output tokens/s
+(median over repeats), its ratio to the level before (the median over repeats of each round's
+ratio: two runs minutes apart, not hours), and errors. Prints a table, writes JSON, and records
+the machine the client ran on.
 
 Each prompt is its own: about --prompt-words words drawn from a fixed vocabulary in an order
 seeded by the request's number, so prompts share no prefix beyond the chat template and
@@ -158,10 +161,19 @@ def summarize(concurrency: int, runs: list[tuple[list[Sample], float]]) -> dict[
     }
 
 
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each row's `x_previous`: the median over repeats of its throughput over the row before's in the
+    same round (None for the first row, or where a run had no throughput)."""
+    rows[0]["x_previous"] = None
+    for before, row in zip(rows, rows[1:]):
+        pairs = [now / then for now, then in zip(row["output_tok_s_runs"], before["output_tok_s_runs"]) if then > 0]
+        row["x_previous"] = round(statistics.median(pairs), 3) if pairs else None
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     columns = [("conc", "concurrency"), ("reqs", "requests"), ("err", "errors"), ("TTFT p50 ms", "ttft_ms_p50"),
                ("TTFT p99 ms", "ttft_ms_p99"), ("ITL p50 ms", "itl_ms_p50"), ("ITL p99 ms", "itl_ms_p99"),
-               ("TPOT p50 ms", "tpot_ms_p50"), ("out tok/s", "output_tok_s")]
+               ("TPOT p50 ms", "tpot_ms_p50"), ("out tok/s", "output_tok_s"), ("x previous", "x_previous")]
     print("  ".join(f"{title:>11}" for title, _ in columns))
     for row in rows:
         print("  ".join(f"{'-' if row[key] is None else row[key]:>11}" for _, key in columns))
@@ -183,11 +195,13 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         path, body = request_bodies(args, model)
         for _ in range(args.warmup):
             await one_request(client, path, body())
-        rows = []
-        for concurrency in args.concurrency:
-            num_requests = args.num_requests or max(4 * concurrency, 8)
-            runs = [await one_run(client, path, body, concurrency, num_requests) for _ in range(args.repeats)]
-            rows.append(summarize(concurrency, runs))
+        runs: dict[int, list[tuple[list[Sample], float]]] = {c: [] for c in args.concurrency}
+        for _ in range(args.repeats):
+            for concurrency in args.concurrency:
+                num_requests = args.num_requests or max(4 * concurrency, 8)
+                runs[concurrency].append(await one_run(client, path, body, concurrency, num_requests))
+        rows = [summarize(concurrency, runs[concurrency]) for concurrency in args.concurrency]
+        add_ratios(rows)
     return {"benchmark": "serve", "url": args.url, "endpoint": path, "model": model,
             "max_tokens": args.max_tokens, "prompt_words": args.prompt_words, "same_prompt": args.same_prompt,
             "repeats": args.repeats,

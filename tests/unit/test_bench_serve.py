@@ -36,3 +36,36 @@ def test_bench_serve_reports_latencies_and_throughput(tmp_path: Path) -> None:
         assert row["requests"] == 6 and row["errors"] == 0
         assert row["completion_tokens_mean"] == 8 and row["output_tok_s"] > 0
         assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p99"] and row["itl_ms_p50"] > 0
+
+
+def test_bench_serve_runs_the_levels_in_turn_and_pairs_each_with_the_one_before(tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    """--repeats runs 1, 2, 4, 1, 2, 4, ... (not each level's repeats back to back), and a level's
+    ratio to the one before is the median of the rounds' own ratios: here the machine halves its speed
+    after the first round, so the levels' medians (50 / 80 / 90 tok/s) would give 1.6 and 1.125, the
+    rounds' own ratios 1.5 and 1.267."""
+    with forge_serve_fake(max_model_len=4096, step_delay_s=0.002) as config:
+        bench = load_bench()
+        calls = []
+        # tokens a second per round and level: round 0 fast, rounds 1 and 2 at half speed
+        speed = {(0, 1): 100.0, (0, 2): 150.0, (0, 4): 190.0, (1, 1): 50.0, (1, 2): 60.0, (1, 4): 90.0,
+                 (2, 1): 50.0, (2, 2): 80.0, (2, 4): 70.0}
+
+        async def fake_run(client, path, body, concurrency, num_requests):
+            round_ = sum(1 for c in calls if c == concurrency)
+            calls.append(concurrency)
+            sample = bench.Sample(ok=True, ttft_s=0.01, latency_s=0.1, itl_s=[0.01], completion_tokens=10)
+            return [sample], 10 / speed[round_, concurrency]
+
+        monkeypatch.setattr(bench, "one_run", fake_run)
+        out = tmp_path / "serve.json"
+        args = ["--url", f"http://127.0.0.1:{config.http_port}", "--concurrency", "1,2,4", "--repeats", "3",
+                "--warmup", "0", "--out", str(out)]
+        assert bench.main(args) == 0
+        report = json.loads(out.read_text())
+    assert calls == [1, 2, 4] * 3
+    rows = report["results"]
+    assert [r["output_tok_s"] for r in rows] == [50.0, 80.0, 90.0]
+    assert rows[0]["x_previous"] is None
+    assert rows[1]["x_previous"] == 1.5  # rounds: 1.5, 1.2, 1.6
+    assert rows[2]["x_previous"] == pytest.approx(1.267, abs=1e-3)  # 1.267, 1.5, 0.875
