@@ -195,12 +195,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         path, body = request_bodies(args, model)
         for _ in range(args.warmup):
             await one_request(client, path, body())
-        runs: dict[int, list[tuple[list[Sample], float]]] = {c: [] for c in args.concurrency}
+        runs: list[list[tuple[list[Sample], float]]] = [[] for _ in args.concurrency]  # a level may repeat
         for _ in range(args.repeats):
-            for concurrency in args.concurrency:
+            for level, concurrency in enumerate(args.concurrency):
                 num_requests = args.num_requests or max(4 * concurrency, 8)
-                runs[concurrency].append(await one_run(client, path, body, concurrency, num_requests))
-        rows = [summarize(concurrency, runs[concurrency]) for concurrency in args.concurrency]
+                runs[level].append(await one_run(client, path, body, concurrency, num_requests))
+        rows = [summarize(concurrency, level_runs) for concurrency, level_runs in zip(args.concurrency, runs)]
         add_ratios(rows)
     return {"benchmark": "serve", "url": args.url, "endpoint": path, "model": model,
             "max_tokens": args.max_tokens, "prompt_words": args.prompt_words, "same_prompt": args.same_prompt,

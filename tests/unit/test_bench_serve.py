@@ -69,3 +69,12 @@ def test_bench_serve_runs_the_levels_in_turn_and_pairs_each_with_the_one_before(
     assert rows[0]["x_previous"] is None
     assert rows[1]["x_previous"] == 1.5  # rounds: 1.5, 1.2, 1.6
     assert rows[2]["x_previous"] == pytest.approx(1.267, abs=1e-3)  # 1.267, 1.5, 0.875
+
+    calls.clear()  # a level named twice is two rows, each with its own runs
+    with forge_serve_fake(max_model_len=4096, step_delay_s=0.002) as config:
+        args[1] = f"http://127.0.0.1:{config.http_port}"
+        args[3], args[5] = "1,1", "1"
+        assert bench.main(args) == 0
+        rows = json.loads(out.read_text())["results"]
+    assert calls == [1, 1] and [(r["requests"], r["output_tok_s"], r["x_previous"]) for r in rows] == [
+        (1, 100.0, None), (1, 50.0, 0.5)]
