@@ -2,8 +2,8 @@
 
 For each concurrency level (default 1, 4, 16, 32, 64), `concurrency` clients send streaming
 requests back to back until --num-requests are done. With --repeats N the levels run in turn N
-times (1, 4, ..., 64, 1, 4, ...), so that a drift of the machine within the run falls on every
-level alike. Reported: TTFT and inter-token latency (ITL: gaps between content chunks) p50/p99
+times, forwards then backwards (1, 4, ..., 64, then 64, ..., 4, 1, ...), so that a drift of the
+machine within the run falls on every level alike and a steady one cancels over two rounds. Reported: TTFT and inter-token latency (ITL: gaps between content chunks) p50/p99
 over all requests of all repeats, TPOT p50 ((latency - TTFT) / (tokens - 1)), output tokens/s
 (median over repeats), its ratio to the level before (the median over repeats of each round's
 ratio: two runs minutes apart, not hours), and errors. Prints a table, writes JSON, and records
@@ -196,8 +196,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.warmup):
             await one_request(client, path, body())
         runs: list[list[tuple[list[Sample], float]]] = [[] for _ in args.concurrency]  # a level may repeat
-        for _ in range(args.repeats):
-            for level, concurrency in enumerate(args.concurrency):
+        for round_ in range(args.repeats):
+            levels = list(enumerate(args.concurrency))
+            for level, concurrency in levels if round_ % 2 == 0 else reversed(levels):
                 num_requests = args.num_requests or max(4 * concurrency, 8)
                 runs[level].append(await one_run(client, path, body, concurrency, num_requests))
         rows = [summarize(concurrency, level_runs) for concurrency, level_runs in zip(args.concurrency, runs)]

@@ -40,7 +40,7 @@ def test_bench_serve_reports_latencies_and_throughput(tmp_path: Path) -> None:
 
 def test_bench_serve_runs_the_levels_in_turn_and_pairs_each_with_the_one_before(tmp_path: Path,
                                                                                  monkeypatch) -> None:
-    """--repeats runs 1, 2, 4, 1, 2, 4, ... (not each level's repeats back to back), and a level's
+    """--repeats runs 1, 2, 4, 4, 2, 1, 1, 2, 4 (not each level's repeats back to back), and a level's
     ratio to the one before is the median of the rounds' own ratios: here the machine halves its speed
     after the first round, so the levels' medians (50 / 80 / 90 tok/s) would give 1.6 and 1.125, the
     rounds' own ratios 1.5 and 1.267."""
@@ -63,7 +63,7 @@ def test_bench_serve_runs_the_levels_in_turn_and_pairs_each_with_the_one_before(
                 "--warmup", "0", "--out", str(out)]
         assert bench.main(args) == 0
         report = json.loads(out.read_text())
-    assert calls == [1, 2, 4] * 3
+    assert calls == [1, 2, 4, 4, 2, 1, 1, 2, 4]
     rows = report["results"]
     assert [r["output_tok_s"] for r in rows] == [50.0, 80.0, 90.0]
     assert rows[0]["x_previous"] is None
