@@ -244,7 +244,8 @@ def _watch(future: Future[CompiledGrammar], finished: threading.Event, kind: str
 
 
 def _settle(future: Future[CompiledGrammar], result: CompiledGrammar | None, error: Exception | None) -> None:
-    """Complete `future` unless it already is: a compile and its timer race, and the first one wins."""
+    """Complete `future` unless it already is: a compile and its watch (_watch) race, and the first
+    one wins."""
     try:
         if error is None:
             future.set_result(result)
