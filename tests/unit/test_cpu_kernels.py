@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -439,6 +440,61 @@ exec {real} "$@"
     built = cpu_kernels.build_for_this_cpu()
     assert built == cpu_kernels._build(cpu_kernels.FLAGS) and built.exists()
     assert cpu_kernels.declare(ctypes.CDLL(str(built))).forge_supported() == runs_avx512
+
+
+def _sources(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, texts: dict[str, str]) -> None:
+    """cpu_kernels' sources replaced by `texts` (file name -> C), built into a cache under tmp_path."""
+    (tmp_path / "src").mkdir()
+    for name, text in texts.items():
+        (tmp_path / "src" / name).write_text(text)
+    (tmp_path / "src" / cpu_kernels.AVX2_HEADER).write_text("")
+    monkeypatch.setattr(cpu_kernels, "SOURCES", sorted((tmp_path / "src").glob("*.c")))
+    monkeypatch.setattr(cpu_kernels, "CACHE_DIR", tmp_path / "cache")
+
+
+def test_sources_compiled_apart_link_the_library_one_command_builds(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    _sources(monkeypatch, tmp_path, {"a.c": "int forge_a(int x) { return 3 * x; }\n",
+                                     "b.c": "int forge_a(int);\nint forge_b(int x) { return forge_a(x) + 1; }\n"})
+    flags = ["-O2", "-std=c11", "-fopenmp", "-fPIC", "-shared"]  # every build links libgomp
+    built = cpu_kernels._build(flags)
+    assert built.parent == tmp_path / "cache" and cpu_kernels._build(flags) == built  # cached
+    assert ctypes.CDLL(str(built)).forge_b(4) == 13
+    whole = tmp_path / "whole.so"  # the single command the objects stand in for
+    compiler = os.environ.get("CC", "cc")
+    subprocess.run([compiler, *flags, *map(str, cpu_kernels.SOURCES), "-o", str(whole)], check=True)
+    assert built.read_bytes() == whole.read_bytes()
+
+
+def test_the_sources_compile_at_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _sources(monkeypatch, tmp_path, {f"{name}.c": f"int forge_{name}(void) {{ return 1; }}\n" for name in "abc"})
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    compiler = tmp_path / "cc"  # each compile waits (5 s at most) until all three have started
+    compiler.write_text(f"""#!/bin/sh
+case " $* " in *" -c "*)
+  touch "{marks}/$$"; n=0
+  while [ "$(ls "{marks}" | wc -l)" -lt 3 ]; do
+    sleep 0.05; n=$((n + 1)); [ $n -gt 100 ] && {{ echo "compiled alone" >&2; exit 1; }}
+  done;;
+esac
+exec {shutil.which(os.environ.get("CC", "cc"))} "$@"
+""")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    built = cpu_kernels._build(["-O2", "-std=c11", "-fopenmp", "-fPIC", "-shared"])
+    assert len(list(marks.iterdir())) == 3 and ctypes.CDLL(str(built)).forge_c() == 1
+
+
+def test_a_source_that_does_not_compile_fails_the_build_with_its_error(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    _sources(monkeypatch, tmp_path, {"a.c": "int forge_a(void) { return 1; }\n",
+                                     "b.c": "int forge_b(void) { return nothing_here; }\n"})
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        cpu_kernels._build(["-O2", "-std=c11", "-fPIC", "-shared"])
+    assert "b.c" in " ".join(failed.value.cmd) and "nothing_here" in failed.value.stderr
+    assert not list((tmp_path / "cache").glob("*.so"))  # nothing cached, and the directory left clean
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
 
 
 def _refined(logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:
