@@ -199,8 +199,8 @@ def _compile_all(compiler: str, flags: list[str], out: Path) -> list[Path]:
     """Each source compiled to an object in `out`, all at once: the sources are separate translation
     units (one command with all of them compiles each apart too), so the library linked from these is
     the one a single command builds, and the build takes the longest source's time rather than their sum
-    where there are cores for it (on a 2-core Zen 3, the AVX2 build 37 -> 29 s: ops.c alone is 29).
-    CalledProcessError, with the compiler's stderr, for the first source that fails."""
+    where there are cores for it (on a 2-core Zen 3 the AVX2 build took 42.6 -> 31.4 s, ops.c alone
+    about 29). CalledProcessError, with the compiler's stderr, for the first source that fails."""
     runs = []
     for source in SOURCES:
         command = [compiler, *flags, "-c", str(source), "-o", str(out / f"{source.stem}.o")]
