@@ -201,9 +201,10 @@ def _compile_all(compiler: str, flags: list[str], out: Path) -> list[Path]:
     the one a single command builds, and the build takes the longest source's time rather than their sum
     where there are cores for it (on a 2-core Zen 3 the AVX2 build took 42.6 -> 31.4 s, ops.c alone
     about 29). CalledProcessError, with the compiler's stderr, for the first source that fails."""
+    objects = [out / f"{source.stem}.o" for source in SOURCES]
     runs = []
-    for source in SOURCES:
-        command = [compiler, *flags, "-c", str(source), "-o", str(out / f"{source.stem}.o")]
+    for source, obj in zip(SOURCES, objects):
+        command = [compiler, *flags, "-c", str(source), "-o", str(obj)]
         runs.append((command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
     failed = None
     for command, run in runs:  # every compile waited for, so that none outlives the directory
@@ -212,7 +213,7 @@ def _compile_all(compiler: str, flags: list[str], out: Path) -> list[Path]:
             failed = subprocess.CalledProcessError(run.returncode, command, stdout, stderr)
     if failed is not None:
         raise failed
-    return [out / f"{source.stem}.o" for source in SOURCES]
+    return objects
 
 
 def supports(weight_shape: torch.Size | tuple[int, int]) -> bool:

@@ -423,16 +423,9 @@ def test_scores_by_vdpbf16ps_give_the_bits_of_the_fused_multiply_adds(monkeypatc
 
 def test_a_compiler_that_refuses_avx512bf16_builds_the_kernels_without_it(monkeypatch: pytest.MonkeyPatch,
                                                                           tmp_path: Path) -> None:
-    real = shutil.which(os.environ.get("CC", "cc"))
-    old_compiler = tmp_path / "cc"  # as GCC before 10 answers the flag
-    old_compiler.write_text(f"""#!/bin/sh
-for arg in "$@"; do
-  [ "$arg" = -mavx512bf16 ] && {{ echo "cc: error: unrecognized command-line option '$arg'" >&2; exit 1; }}
-done
-exec {real} "$@"
-""")
-    old_compiler.chmod(0o755)
-    monkeypatch.setenv("CC", str(old_compiler))
+    _stand_in_compiler(monkeypatch, tmp_path, """for arg in "$@"; do  # as GCC before 10 answers the flag
+  [ "$arg" = -mavx512bf16 ] && { echo "cc: error: unrecognized command-line option '$arg'" >&2; exit 1; }
+done""")
     monkeypatch.setattr(cpu_kernels, "CACHE_DIR", tmp_path / "cache")
     monkeypatch.setattr(cpu_kernels, "cpu_has_bf16_dot", lambda: True)
     runs_avx512 = cpu_kernels.cpu_runs_avx512()
@@ -440,6 +433,14 @@ exec {real} "$@"
     built = cpu_kernels.build_for_this_cpu()
     assert built == cpu_kernels._build(cpu_kernels.FLAGS) and built.exists()
     assert cpu_kernels.declare(ctypes.CDLL(str(built))).forge_supported() == runs_avx512
+
+
+def _stand_in_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, before: str) -> None:
+    """$CC replaced by a shell script that runs `before` and then the real compiler."""
+    compiler = tmp_path / "cc"
+    compiler.write_text(f'#!/bin/sh\n{before}\nexec {shutil.which(os.environ.get("CC", "cc"))} "$@"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
 
 
 def _sources(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, texts: dict[str, str]) -> None:
@@ -470,18 +471,13 @@ def test_the_sources_compile_at_once(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     _sources(monkeypatch, tmp_path, {f"{name}.c": f"int forge_{name}(void) {{ return 1; }}\n" for name in "abc"})
     marks = tmp_path / "marks"
     marks.mkdir()
-    compiler = tmp_path / "cc"  # each compile waits (5 s at most) until all three have started
-    compiler.write_text(f"""#!/bin/sh
-case " $* " in *" -c "*)
+    # each compile waits (5 s at most) until all three have started
+    _stand_in_compiler(monkeypatch, tmp_path, f"""case " $* " in *" -c "*)
   touch "{marks}/$$"; n=0
   while [ "$(ls "{marks}" | wc -l)" -lt 3 ]; do
     sleep 0.05; n=$((n + 1)); [ $n -gt 100 ] && {{ echo "compiled alone" >&2; exit 1; }}
   done;;
-esac
-exec {shutil.which(os.environ.get("CC", "cc"))} "$@"
-""")
-    compiler.chmod(0o755)
-    monkeypatch.setenv("CC", str(compiler))
+esac""")
     built = cpu_kernels._build(["-O2", "-std=c11", "-fopenmp", "-fPIC", "-shared"])
     assert len(list(marks.iterdir())) == 3 and ctypes.CDLL(str(built)).forge_c() == 1
 
