@@ -29,19 +29,25 @@ from bench.common import machine, table, write_json  # noqa: E402
 
 
 def sources_at(revision: str, into: Path) -> list[Path]:
-    """The native CPU sources at `revision` ("worktree": as they are on disk), written under `into`."""
+    """The native CPU sources at `revision` ("worktree": as they are on disk), written under `into` with
+    the headers beside them; returns the sources (.c)."""
     from forge_service.backends import cpu_kernels
 
+    folder = cpu_kernels.SOURCES[0].parent.relative_to(ROOT)
+    if revision == "worktree":
+        names = sorted(p.name for p in (ROOT / folder).iterdir() if p.suffix in (".c", ".h"))
+    else:
+        listed = subprocess.run(["git", "ls-tree", "--name-only", revision, f"{folder}/"], cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout.split()
+        names = sorted(Path(p).name for p in listed if Path(p).suffix in (".c", ".h"))
     paths = []
-    header = cpu_kernels.SOURCES[0].parent / cpu_kernels.AVX2_HEADER  # the AVX2 build's, written beside them
-    for source in [*cpu_kernels.SOURCES, header]:
-        relative = source.relative_to(ROOT)
+    for name in names:
+        relative = folder / name
         if revision == "worktree":
-            text = source.read_text()
+            text = (ROOT / relative).read_text()
         else:
-            shown = subprocess.run(["git", "show", f"{revision}:{relative}"], cwd=ROOT, capture_output=True, text=True,
-                                   check=source != header)  # a revision before the AVX2 build has no header
-            text = shown.stdout
+            text = subprocess.run(["git", "show", f"{revision}:{relative}"], cwd=ROOT, capture_output=True,
+                                  text=True, check=True).stdout
         path = into / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

@@ -4,7 +4,8 @@ quant_gemm.c multiplies a few activation rows by group-quantised weights: 4-bit 
 and an offset per group of 32 inputs, or int8 codes with a scale, against activations quantised to
 int8 per group (AVX-512 VNNI). Decode steps are bound by reading weights; these kernels read them
 at close to memory speed where torch's 4-bit kernel dequantises each weight to float first.
-ops.c holds the bf16 path's norms, SiLU, rotary and attention, one call each.
+ops.c holds the bf16 path's norms, SiLU and rotary, decode_attention.c and prefill_attention.c its
+attention (what they share in attention.h), one call each.
 
 They are written for AVX-512 (VNNI). On a CPU without it but with AVX2, FMA and F16C (AMD before
 Zen 4, Intel client cores) the same sources are built on native/cpu/avx2.h, which gives each
@@ -36,7 +37,7 @@ FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vn
          "-mfma", "-fopenmp", "-shared", "-fPIC"]
 # The same sources for CPUs with AVX2 but not AVX-512 VNNI: avx2.h (beside them), included first,
 # supplies the AVX-512 operations they use. Without GCC's RTL global CSE passes (before and after
-# register allocation), which spent 100 of ops.c's 148 s on the header's unrolled vector pairs: the
+# register allocation), which spent 100 of ops.c's 148 s (attention was in it then) on the header's unrolled vector pairs: the
 # build took about 3 minutes on 2 cores and takes under one, its kernels as fast (a Zen 3's decode
 # steps of 1 / 8 / 16 / 32 rows 1.000 / 0.998 / 0.988-1.021 / 1.001 of the time, a 500-token
 # prefill 0.945-1.004: steps alternating between the two builds in one engine, as bench/kernel_ab.py
@@ -177,7 +178,7 @@ def _build(flags: list[str]) -> Path:
     compiler = os.environ.get("CC", "cc")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     header = SOURCES[0].parent / AVX2_HEADER
-    texts = [p.read_text() for p in [*SOURCES, header]]
+    texts = [p.read_text() for p in [*SOURCES, *headers()]]
     key = hashlib.sha256("\n".join([*texts, " ".join(flags), version]).encode()).hexdigest()[:16]
     target = CACHE_DIR / f"forge_cpu-{key}.so"
     if target.exists():
@@ -195,12 +196,18 @@ def _build(flags: list[str]) -> Path:
     return target
 
 
+def headers() -> list[Path]:
+    """The headers beside the sources (avx2.h, and those the sources include): each is part of the
+    build's cache key, so that a change to one builds the library again."""
+    return sorted(SOURCES[0].parent.glob("*.h"))
+
+
 def _compile_all(compiler: str, flags: list[str], out: Path) -> list[Path]:
     """Each source compiled to an object in `out`, all at once: the sources are separate translation
     units (one command with all of them compiles each apart too), so the library linked from these is
     the one a single command builds, and the build takes the longest source's time rather than their sum
-    where there are cores for it (on a 2-core Zen 3 the AVX2 build took 42.6 -> 31.4 s, ops.c alone
-    about 29). CalledProcessError, with the compiler's stderr, for the first source that fails."""
+    where there are cores for it (on a 2-core Zen 3 the AVX2 build took 42.6 -> 31.4 s, ops.c alone,
+    attention in it then, about 29). CalledProcessError, with the compiler's stderr, for the first source that fails."""
     objects = [out / f"{source.stem}.o" for source in SOURCES]
     runs = []
     for source, obj in zip(SOURCES, objects):
@@ -435,7 +442,7 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, a: torch.Ten
 
 
 def _head_dim_supported(hd: int) -> bool:
-    return hd % 32 == 0 and hd <= 256  # ops.c's attention: whole 32-value bf16 loads, MAX_HEAD_DIM
+    return hd % 32 == 0 and hd <= 256  # attention.h: whole 32-value bf16 loads, MAX_HEAD_DIM
 
 
 def attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

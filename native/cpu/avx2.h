@@ -137,7 +137,7 @@ FORGE_INLINE f16x f16x_abs_ps(f16x a) {
 /* roundscale with a scale of 0 (the rounding mode in the low bits): a round to an integer */
 #define f16x_roundscale_ps(a, mode) ((f16x){_mm256_round_ps((a).lo, (mode)), _mm256_round_ps((a).hi, (mode))})
 /* a * 2^n for integer-valued n in [-126, 127] (2^n a normal float, so the product's one rounding is
- * scalef's): the range exp16 in ops.c gives it. */
+ * scalef's): the range exp16 in vec.h gives it. */
 FORGE_INLINE f16x f16x_scalef_ps(f16x a, f16x n) {
     const __m256i bias = _mm256_set1_epi32(127);
     const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.lo), bias), 23));

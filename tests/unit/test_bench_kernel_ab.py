@@ -20,6 +20,16 @@ def test_a_revision_s_sources_are_its_native_files_and_the_worktree_s_those_on_d
     on_disk = sources_at("worktree", tmp_path / "disk")
     assert [p.relative_to(tmp_path / "disk") for p in on_disk] == [p.relative_to(ROOT) for p in cpu_kernels.SOURCES]
     assert [p.read_text() for p in on_disk] == [p.read_text() for p in cpu_kernels.SOURCES]
-    assert [p.read_text() for p in at_head] == [_git_show("HEAD", p) for p in cpu_kernels.SOURCES]
+    # with the headers the sources include, beside them
+    assert sorted(p.relative_to(tmp_path / "disk") for p in (tmp_path / "disk" / "native" / "cpu").glob("*.h")) \
+        == [p.relative_to(ROOT) for p in cpu_kernels.headers()]
+    committed = subprocess.run(["git", "ls-tree", "--name-only", "HEAD", "native/cpu/"], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout.split()
+    assert [str(p.relative_to(tmp_path / "head")) for p in at_head] == sorted(p for p in committed if p.endswith(".c"))
+    written = sorted((tmp_path / "head" / "native" / "cpu").iterdir())
+    assert [str(p.relative_to(tmp_path / "head")) for p in written] == sorted(
+        p for p in committed if p.endswith((".c", ".h")))
+    assert [p.read_text() for p in written] == [_git_show("HEAD", ROOT / p.relative_to(tmp_path / "head"))
+                                                for p in written]
     with pytest.raises(subprocess.CalledProcessError):
         sources_at("no-such-revision", tmp_path / "none")

@@ -482,6 +482,18 @@ esac""")
     assert len(list(marks.iterdir())) == 3 and ctypes.CDLL(str(built)).forge_c() == 1
 
 
+def test_a_header_the_sources_include_is_part_of_the_build_s_cache_key(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    _sources(monkeypatch, tmp_path, {"a.c": '#include "k.h"\nint forge_a(void) { return K; }\n'})
+    header = tmp_path / "src" / "k.h"
+    flags = ["-O2", "-std=c11", "-fPIC", "-shared"]
+    header.write_text("#define K 3\n")
+    first = cpu_kernels._build(flags)
+    header.write_text("#define K 4\n")  # the source unchanged: only the header says what it builds
+    second = cpu_kernels._build(flags)
+    assert second != first and ctypes.CDLL(str(second)).forge_a() == 4
+
+
 def test_a_source_that_does_not_compile_fails_the_build_with_its_error(monkeypatch: pytest.MonkeyPatch,
                                                                        tmp_path: Path) -> None:
     _sources(monkeypatch, tmp_path, {"a.c": "int forge_a(void) { return 1; }\n",
