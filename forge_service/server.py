@@ -1,4 +1,5 @@
-"""The gRPC service on grpc.aio: the Forge servicer, health, reflection, loading and draining."""
+"""The gRPC service on grpc.aio: binding, health, reflection, loading the engine, admission, draining and
+stopping. The Forge servicer (servicer.py) answers its calls."""
 from __future__ import annotations
 
 import asyncio
@@ -11,23 +12,22 @@ import signal
 import socket
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import Tracer
 
-from forge_service import auth, convert, embeddings, limits
+from forge_service import auth, convert, embeddings
 from forge_service.admission import TokenizerPool, check_prompt_chars, longest_token_chars
 from forge_service.config import EngineConfig, ServiceConfig, malloc_arenas
 from forge_service.engine.async_engine import AsyncEngine, SyncEngine
-from forge_service.errors import ForgeError, InvalidArgument, ModelNotFound, QueueFull, StartupError, Unavailable, \
-    blame, bounded_details, error_metadata, excerpt, grpc_status
+from forge_service.errors import InvalidArgument, StartupError, Unavailable, blame
 from forge_service.metrics import ServiceMetrics, metrics_endpoint
+from forge_service.prepare import LoadedModel, Prepared, check_model, prepare_request, tokenize_request
 from forge_service.rpc_observer import RpcRecord, observe_rpc
+from forge_service.servicer import ForgeServicer
 from forge_service.tracing import MonotonicClock, traced
 from forge_service.wire import UndecodableRequestGuard
 from forge_service.pb import forge_pb2 as pb
@@ -48,246 +48,10 @@ _SERVER_OPTIONS = [
     ("grpc.max_connection_age_ms", 180_000),
     ("grpc.max_connection_age_grace_ms", 660_000),
 ]
-# Response header of every admitted generation RPC. Sent at admission, it also commits the call:
-# a client's retry policy retries UNAVAILABLE only for calls that never reached a replica.
-REPLICA_HEADER = "forge-replica"
-# Inputs of one Embed call in the engine at once: a large batch neither fills the engine's waiting
-# queue (--max-waiting) nor holds back the requests that come after it.
-EMBED_IN_FLIGHT = 32
-
-
 class Phase(enum.Enum):
     LOADING = pb.SERVING_STATE_LOADING
     READY = pb.SERVING_STATE_READY
     DRAINING = pb.SERVING_STATE_DRAINING
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    """What the servicer needs once the engine is up."""
-
-    engine: AsyncEngine
-    tokenizer: Any
-    name: str
-    max_model_len: int
-    created: int
-    longest_token_chars: int | None = None  # for the length check before tokenizing
-    hidden_size: int | None = None  # an embedding's length
-    adapters: tuple[str, ...] = ()  # LoRA adapters served beside it, by name (--lora-modules)
-    # The model's values for sampling fields a request leaves unset (--generation-config auto).
-    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
-
-    def served_name(self, params) -> str:
-        """The name a request's responses, log line and trace carry: its adapter's, or the model's."""
-        return params.adapter or self.name
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    request_id: str  # the client's id (or a made-up one): echoed, logged, never an engine key
-    prompt: list[int]
-    params: Any
-    output: convert.OutputProcessor  # tool-call parsing, the after-the-fact schema check
-    first_prompt_token: pb.TokenLogprob | None = None  # with prompt_logprobs: the one they leave out
-    # The engine's key: fresh per request, so a client's id can never reach another's request.
-    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-
-class ForgeServicer(pb_grpc.ForgeServicer):
-    """forge.v1.Forge: proto <-> engine types, cancellation, deadlines, status codes."""
-
-    def __init__(self, service: ForgeService) -> None:
-        self._service = service
-
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        with self._service.observe("Generate", request, context) as rpc:
-            async with self._rpc(context) as model:
-                prepared = await self._service.prepare(request, model)
-                name = model.served_name(prepared.params)
-                rpc.prepared(name, prepared.prompt, prepared.params)
-                result = convert.GenerateAccumulator(prepared.request_id, name, len(prepared.prompt),
-                                                     prepared.output, prepared.first_prompt_token)
-                async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
-                    async for output in outputs:
-                        result.add(output)
-                        rpc.output(output)
-                return result.response()
-
-    async def Stream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        with self._service.observe("Stream", request, context) as rpc:
-            async with self._rpc(context) as model:
-                prepared = await self._service.prepare(request, model)
-                rpc.prepared(model.served_name(prepared.params), prepared.prompt, prepared.params)
-                encoder = convert.StreamEncoder(prepared.request_id, len(prepared.prompt), prepared.output,
-                                                prepared.first_prompt_token)
-                async with contextlib.aclosing(model.engine.generate(*_args(prepared))) as outputs:
-                    async for output in outputs:
-                        rpc.output(output)
-                        for message in encoder.messages(output):
-                            await context.write(message)
-
-    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
-        with self._service.observe("Embed", request, context) as rpc:
-            async with self._rpc(context) as model:
-                params = embeddings.embed_params(_check_model(request.model, model))
-                prompts = await self._service.embed_prompts(request, model)
-                rpc.prepared(model.served_name(params), [t for p in prompts for t in p], params)
-                limit = asyncio.Semaphore(EMBED_IN_FLIGHT)
-                try:
-                    async with asyncio.TaskGroup() as group:  # one input failing cancels the others
-                        tasks = [group.create_task(_embedding(model, prompt, params, request.request_id, limit))
-                                 for prompt in prompts]
-                except BaseExceptionGroup as failed:  # the first failure, as a lone error is answered
-                    raise failed.exceptions[0] from None
-                dimensions = request.dimensions if request.HasField("dimensions") else None
-                normalize = not request.HasField("normalize") or request.normalize
-                response = pb.EmbedResponse(request_id=request.request_id, model=model.served_name(params))
-                for prompt, task in zip(prompts, tasks):
-                    hidden, cached = task.result()
-                    response.embeddings.add(values=embeddings.pooled(hidden, dimensions, normalize),
-                                            prompt_tokens=len(prompt))
-                    response.usage.cached_tokens += cached
-                response.usage.prompt_tokens = sum(len(p) for p in prompts)
-                return response
-
-    async def Tokenize(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        async with self._rpc(context) as model:
-            ids = await self._service.tokenize(request, model)
-            return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=model.max_model_len)
-
-    async def Detokenize(self, request: pb.DetokenizeRequest,
-                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
-        async with self._rpc(context) as model:
-            return pb.DetokenizeResponse(text=await self._service.detokenize(request, model))
-
-    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
-        return self._service.health_response()
-
-    async def ListModels(self, request: pb.ListModelsRequest,
-                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
-        model = self._service.model
-        if model is None:
-            return pb.ListModelsResponse()
-        info = pb.ModelInfo(id=model.name, max_model_len=model.max_model_len, created=model.created)
-        adapters = [pb.ModelInfo(id=name, max_model_len=model.max_model_len, created=model.created, parent=model.name)
-                    for name in model.adapters]
-        return pb.ListModelsResponse(models=[info, *adapters])
-
-    @contextlib.asynccontextmanager
-    async def _rpc(self, context: grpc.aio.ServicerContext) -> AsyncIterator[LoadedModel]:
-        """Admission, the RPC's deadline, and the one mapping from errors to status codes."""
-        deadline = asyncio.timeout(_time_remaining(context))
-        try:
-            with self._service.track() as model:
-                await context.send_initial_metadata(((REPLICA_HEADER, self._service.replica),))
-                async with deadline:
-                    yield model
-        except TimeoutError as error:
-            if not deadline.expired():
-                await _abort_internal(context, error)
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before generation finished")
-        except ForgeError as error:
-            if isinstance(error, QueueFull):
-                self._service.metrics.count_rejected()
-            await context.abort(grpc_status(error), bounded_details(str(error)), error_metadata(error))
-        except grpc.aio.AbortError:
-            raise
-        except Exception as error:  # a bug: INTERNAL with an id that is also in the log
-            await _abort_internal(context, error)
-
-
-def _check_model(name: str, model: LoadedModel) -> str | None:
-    """The LoRA adapter a request's model names (None: the base model); ModelNotFound for a name
-    not served here."""
-    if not name or name == model.name:
-        return None
-    if name in model.adapters:
-        return name
-    served = ", ".join(map(repr, (model.name, *model.adapters)))
-    raise ModelNotFound(f"model {excerpt(name)} is not served here; this server serves {served}", field="model")
-
-
-async def _tokenize(request: pb.GenerateRequest, model: LoadedModel, config: ServiceConfig,
-                    pool: TokenizerPool) -> list[int]:
-    """A request's prompt tokens as _prepare makes them, without the context's bound."""
-    _check_model(request.model, model)
-    limits.check_request(request, config.limits)
-    tools = convert.tools(request, model.tokenizer)
-    with blame(request.WhichOneof("input")):
-        return await pool.run(convert.input_token_ids, request, model.tokenizer, tools)
-
-
-async def _prepare(request: pb.GenerateRequest, model: LoadedModel, config: ServiceConfig,
-                   pool: TokenizerPool) -> _Prepared:
-    adapter = _check_model(request.model, model)
-    # An error names the request field at fault (trailing metadata, see errors.py); where its
-    # raiser does not, it is the stage's: the input (text | chat | token_ids), the constraint.
-    source = request.WhichOneof("input")
-    limits.check_request(request, config.limits)
-    with blame(source):
-        if not request.HasField("truncate_prompt_tokens"):  # a prompt to be cut may be longer than the context
-            check_prompt_chars(_prompt_chars(request), model.longest_token_chars, model.max_model_len)
-    tools = convert.tools(request, model.tokenizer)
-    with convert.request_fields():
-        params = convert.sampling_params(request, tools, model.sampling_defaults)
-        params.adapter = adapter
-        params.validate(model.tokenizer.vocab_size)
-    with blame(source):
-        prompt = await pool.run(convert.prompt_token_ids, request, model.tokenizer, model.max_model_len, tools)
-    if request.prediction:
-        with blame("prediction"):
-            params.prediction = await pool.run(convert.prediction_token_ids, request, model.tokenizer,
-                                               model.max_model_len)
-    limits.check_total_tokens(params.n, params.max_tokens or model.max_model_len - len(prompt), config.limits)
-    with convert.request_fields(), blame(source):
-        model.engine.validate(prompt, params)  # prompt + max_tokens against the context and the KV cache
-    with blame(request.WhichOneof("constraint") or ("tools" if tools is not None else None)):
-        await model.engine.compile_constraint(params)  # structured output: compiled before it is queued
-    request_id = request.request_id or uuid.uuid4().hex
-    first = None if params.prompt_logprobs is None else convert.first_prompt_token(model.tokenizer, prompt[0])
-    processor = convert.output_processor(request, request_id, tools, model.tokenizer, prompt, config.reasoning_parser)
-    return _Prepared(request_id, prompt, params, processor, first)
-
-
-def _prompt_chars(request: pb.GenerateRequest) -> int:
-    """Characters the prompt has at least: a template may strip a message's surrounding whitespace."""
-    kind = request.WhichOneof("input")
-    if kind == "text":
-        return len(request.text)
-    if kind == "chat":
-        return sum(len(m.content.strip()) for m in request.chat.messages)
-    return 0
-
-
-async def _embedding(model: LoadedModel, prompt: list[int], params, label: str,
-                     limit: asyncio.Semaphore) -> tuple[list[float], int]:
-    """One input's last hidden state and its prefix-cache hit, as an engine request of its own."""
-    hidden, cached = None, 0
-    async with limit:
-        stream = model.engine.generate(uuid.uuid4().hex, prompt, params, label)
-        async with contextlib.aclosing(stream) as outputs:
-            async for output in outputs:
-                cached = max(cached, output.num_cached_tokens)
-                hidden = next((o.embedding for o in output.outputs if o.embedding is not None), hidden)
-    if hidden is None:  # the engine ends an embedding with its one token, which carries it
-        raise RuntimeError("an embedding request finished without its hidden state")
-    return hidden, cached
-
-
-def _args(prepared: _Prepared) -> tuple[str, list[int], Any, str]:
-    return prepared.engine_id, prepared.prompt, prepared.params, prepared.request_id
-
-
-def _time_remaining(context: grpc.aio.ServicerContext) -> float | None:
-    remaining = context.time_remaining()
-    # Without a deadline some grpc versions report a huge number rather than None.
-    return None if remaining is None or remaining > 1e8 else max(remaining, 0.0)
-
-
-async def _abort_internal(context: grpc.aio.ServicerContext, error: BaseException) -> None:
-    error_id = uuid.uuid4().hex[:12]
-    log.error("internal error [error id %s]", error_id, exc_info=error)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error [error id {error_id}]")
 
 
 def _listen(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
@@ -391,9 +155,9 @@ class ForgeService:
             if self._in_flight == 0:
                 self._idle.set()
 
-    async def prepare(self, request: pb.GenerateRequest, model: LoadedModel) -> _Prepared:
+    async def prepare(self, request: pb.GenerateRequest, model: LoadedModel) -> Prepared:
         """Check, tokenize (in the tokenizer pool) and compile one request for `model`."""
-        return await _prepare(request, model, self.config, self._tokenizers)
+        return await prepare_request(request, model, self.config, self._tokenizers)
 
     async def embed_prompts(self, request: pb.EmbedRequest, model: LoadedModel) -> list[list[int]]:
         """An Embed request's inputs as token ids (in the tokenizer pool), each checked (its model
@@ -413,11 +177,11 @@ class ForgeService:
 
     async def tokenize(self, request: pb.GenerateRequest, model: LoadedModel) -> list[int]:
         """A request's prompt tokens (in the tokenizer pool), checked as far as tokenizing needs."""
-        return await _tokenize(request, model, self.config, self._tokenizers)
+        return await tokenize_request(request, model, self.config, self._tokenizers)
 
     async def detokenize(self, request: pb.DetokenizeRequest, model: LoadedModel) -> str:
         """A Detokenize request's text (in the tokenizer pool)."""
-        _check_model(request.model, model)
+        check_model(request.model, model)
         return await self._tokenizers.run(convert.detokenized, request, model.tokenizer)
 
     @property

@@ -21,7 +21,8 @@ from forge_gateway.config import GatewayConfig
 from forge_service.config import ServiceConfig
 from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
-from forge_service.server import REPLICA_HEADER, ForgeService, Phase
+from forge_service.server import ForgeService, Phase
+from forge_service.servicer import REPLICA_HEADER
 from tests.ports import free_port
 from tests.unit.fakes import FakeEngine, until
 
