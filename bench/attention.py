@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import machine, write_report  # noqa: E402
-from forge_service.backends import cpu_kernels  # noqa: E402
+from forge_service.backends import cpu_build, cpu_kernels  # noqa: E402
 
 LAYERS = 30
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # the default model's attention
@@ -74,9 +74,9 @@ def main() -> int:
         print("the native CPU kernels cannot run on this machine", file=sys.stderr)
         return 1
     builds = {"default": cpu_kernels.library()}
-    if cpu_kernels.cpu_has_bf16_dot():
-        flags = cpu_kernels.build_flags(bf16_dot=False)
-        builds["fma"] = cpu_kernels.declare(ctypes.CDLL(str(cpu_kernels._build(flags))))
+    if cpu_build.cpu_has_bf16_dot():
+        flags = cpu_build.build_flags(bf16_dot=False)
+        builds["fma"] = cpu_kernels.declare(ctypes.CDLL(str(cpu_build._build(flags))))
     cases = [(f"prefill {rows} rows at {context}", lambda lib, c=context, r=rows: prefill_call(lib, c, r, args.threads))
              for context, rows in ((128, 121), (500, 121), (1000, 121))]
     cases += [(f"decode {n} x {context} keys", lambda lib, n=n, c=context: decode_call(lib, n, c, args.threads))

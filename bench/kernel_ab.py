@@ -31,9 +31,9 @@ from bench.common import machine, table, write_json  # noqa: E402
 def sources_at(revision: str, into: Path) -> list[Path]:
     """The native CPU sources at `revision` ("worktree": as they are on disk), written under `into` with
     the headers beside them; returns the sources (.c)."""
-    from forge_service.backends import cpu_kernels
+    from forge_service.backends import cpu_build
 
-    folder = cpu_kernels.SOURCES[0].parent.relative_to(ROOT)
+    folder = cpu_build.SOURCES[0].parent.relative_to(ROOT)
     if revision == "worktree":
         names = sorted(p.name for p in (ROOT / folder).iterdir() if p.suffix in (".c", ".h"))
     else:
@@ -58,14 +58,14 @@ def sources_at(revision: str, into: Path) -> list[Path]:
 
 def build(sources: list[Path]) -> ctypes.CDLL:
     """The kernels built from `sources` with this CPU's flags (cached by content, as the engine's)."""
-    from forge_service.backends import cpu_kernels
+    from forge_service.backends import cpu_build, cpu_kernels
 
-    saved = cpu_kernels.SOURCES
-    cpu_kernels.SOURCES = sources
+    saved = cpu_build.SOURCES
+    cpu_build.SOURCES = sources
     try:
-        return cpu_kernels.declare(ctypes.CDLL(str(cpu_kernels._build(cpu_kernels.build_flags()))))
+        return cpu_kernels.declare(ctypes.CDLL(str(cpu_build._build(cpu_build.build_flags()))))
     finally:
-        cpu_kernels.SOURCES = saved
+        cpu_build.SOURCES = saved
 
 
 def switch_builds(libraries: dict[str, ctypes.CDLL]) -> list[str]:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import machine  # noqa: E402
-from forge_service.backends import cpu_kernels  # noqa: E402
+from forge_service.backends import cpu_build  # noqa: E402
 
 # Multiply-adds one instruction does: VPMADDUBSW on 32 byte pairs, VPDPBUSD on 64.
 MACS = {"avx2": 32, "avx512": 64}
@@ -159,7 +159,7 @@ int main(int argc, char **argv) {
 
 def default_isa() -> str:
     """The build the native kernels run on this CPU (FORGE_CPU_KERNELS=avx2 included): avx512 (VNNI) or avx2."""
-    return "avx2" if "-DFORGE_AVX2" in cpu_kernels.build_flags() else "avx512"
+    return "avx2" if "-DFORGE_AVX2" in cpu_build.build_flags() else "avx512"
 
 
 def build(isa: str, directory: Path) -> Path:

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import torch
 
-from forge_service.backends import cpu_kernels, cpu_linear, torch_ref
+from forge_service.backends import cpu_decode_plan, cpu_kernels, cpu_linear, torch_ref
 from forge_service.backends.base import AttentionMetadata, Forward, QuantCodes
 from forge_service.backends.cpu_linear import CpuWeight
 from forge_service.sampling import Sampler
@@ -134,7 +134,7 @@ class CpuBackend:
         return out.flatten(1)
 
     @staticmethod
-    def decode_plan(layers: Sequence[Any], arch: Any, scale: float) -> cpu_kernels.DecodePlan | None:
+    def decode_plan(layers: Sequence[Any], arch: Any, scale: float) -> cpu_decode_plan.DecodePlan | None:
         """Every layer of a step (decode rows and prefill chunks) in one native call, where the
         kernels serve each part of these layers (bf16, every projection in a native 4-bit or int8
         form); None elsewhere."""
@@ -142,13 +142,13 @@ class CpuBackend:
         packed = [[getattr(layer, n).packed for n in names] for layer in layers]
         if any(w is None or w.native is None for ws in packed for w in ws):
             return None
-        plan = [cpu_kernels.DecodeLayer(layer.input_norm, layer.post_norm, *((w.native, w.levels) for w in ws),
-                                        layer.qkv_bias, layer.q_norm, layer.k_norm, layer.rope)
+        plan = [cpu_decode_plan.DecodeLayer(layer.input_norm, layer.post_norm, *((w.native, w.levels) for w in ws),
+                                            layer.qkv_bias, layer.q_norm, layer.k_norm, layer.rope)
                 for layer, ws in zip(layers, packed)]
-        if not cpu_kernels.DecodePlan.supported(plan, arch.hidden_size, arch.intermediate_size, arch.head_dim):
+        if not cpu_decode_plan.DecodePlan.supported(plan, arch.hidden_size, arch.intermediate_size, arch.head_dim):
             return None
-        return cpu_kernels.DecodePlan(plan, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                                      arch.intermediate_size, arch.rms_norm_eps, scale)
+        return cpu_decode_plan.DecodePlan(plan, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                                          arch.intermediate_size, arch.rms_norm_eps, scale)
 
     # ---- per step and at start-up ----
     @staticmethod

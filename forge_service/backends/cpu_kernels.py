@@ -1,53 +1,31 @@
-"""The CPU backend's native kernels (native/cpu/), built with the system C compiler at first use.
+"""The CPU backend's native kernels (native/cpu/), loaded and called on torch tensors; cpu_build.py
+builds them for this CPU at first use.
 
 quant_gemm.c multiplies a few activation rows by group-quantised weights: 4-bit codes with a scale
 and an offset per group of 32 inputs, or int8 codes with a scale, against activations quantised to
 int8 per group (AVX-512 VNNI). Decode steps are bound by reading weights; these kernels read them
 at close to memory speed where torch's 4-bit kernel dequantises each weight to float first.
 ops.c holds the bf16 path's norms, SiLU and rotary, decode_attention.c and prefill_attention.c its
-attention (what they share in attention.h), one call each.
-
-They are written for AVX-512 (VNNI). On a CPU without it but with AVX2, FMA and F16C (AMD before
-Zen 4, Intel client cores) the same sources are built on native/cpu/avx2.h, which gives each
-AVX-512 operation they use as two 256-bit halves, to the same bits. FORGE_CPU_KERNELS=avx2 takes
-that build on any such CPU (to compare the two). Where neither can run (no C compiler, a CPU
-without AVX2, FORGE_CPU_KERNELS=torch), the callers keep torch's kernels: `library()` returns None.
+attention (what they share in attention.h), one call each; cpu_decode_plan.py runs a whole step's
+layers in one call (decode.c). Where the kernels cannot run (no C compiler, a CPU without AVX2,
+FORGE_CPU_KERNELS=torch), the callers keep torch's kernels: `library()` returns None.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from forge_service.backends import cpu_build
 from forge_service.backends.base import Int8Weight
 
 log = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).resolve().parents[2] / "native" / "cpu").glob("*.c"))
-CACHE_DIR = Path.home() / ".cache" / "forge" / "cpu"
-FLAGS = ["-O3", "-std=c11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512dq", "-mf16c",
-         "-mfma", "-fopenmp", "-shared", "-fPIC"]
-# The same sources for CPUs with AVX2 but not AVX-512 VNNI: avx2.h (beside them), included first,
-# supplies the AVX-512 operations they use. Without GCC's RTL global CSE passes (before and after
-# register allocation), which spent 100 of ops.c's 148 s (attention was in it then) on the header's unrolled vector pairs: the
-# build took about 3 minutes on 2 cores and takes under one, its kernels as fast (a Zen 3's decode
-# steps of 1 / 8 / 16 / 32 rows 1.000 / 0.998 / 0.988-1.021 / 1.001 of the time, a 500-token
-# prefill 0.945-1.004: steps alternating between the two builds in one engine, as bench/kernel_ab.py
-# runs them). C's float semantics hold at any optimisation level, so the bits are the same.
-AVX2_FLAGS = ["-O3", "-std=c11", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-DFORGE_AVX2",
-              "-fno-gcse", "-fno-gcse-after-reload"]
-AVX2_HEADER = "avx2.h"
-LINK_FLAGS = ["-shared", "-fopenmp"]  # the objects into the library, with libgomp by soname (quant_gemm.c)
-AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma"})
-AVX2_CPU_FLAGS = frozenset({"avx2", "f16c", "fma"})
 NEITHER_BUILD = "this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C; using torch's kernels"
 GROUP = 32  # inputs per scale
 # With two activation levels, the second covers only the groups that hold one of the row's large
@@ -83,11 +61,12 @@ def library() -> ctypes.CDLL | None:
         return None
     if choice not in ("native", "avx2"):
         log.warning("FORGE_CPU_KERNELS=%s is not native, avx2 or torch; taking native", choice)
-    if cpu_flags() and not AVX2_CPU_FLAGS <= cpu_flags():  # neither build can run: not worth building
+    flags = cpu_build.cpu_flags()
+    if flags and not cpu_build.AVX2_CPU_FLAGS <= flags:  # neither build can run: not worth building
         log.info(NEITHER_BUILD)
         return None
     try:
-        lib = ctypes.CDLL(str(build_for_this_cpu()))
+        lib = ctypes.CDLL(str(cpu_build.build_for_this_cpu()))
     except subprocess.CalledProcessError as error:
         log.warning("native CPU kernels did not build, using torch's: %s\n%s", error, error.stderr)
         return None
@@ -127,100 +106,6 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                  "forge_lora_add", "forge_refine_top"):
         getattr(lib, name).restype = None
     return lib
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (/proc/cpuinfo's; none where it cannot be read)."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    return next((frozenset(line.split(":", 1)[1].split()) for line in cpuinfo.splitlines()
-                 if line.startswith("flags")), frozenset())
-
-
-def cpu_has_bf16_dot() -> bool:
-    """Whether this CPU has AVX512-BF16 (VDPBF16PS), which attention's scores use where present."""
-    return "avx512_bf16" in cpu_flags()
-
-
-def cpu_runs_avx512() -> bool:
-    """Whether this CPU runs the AVX-512 build (else the AVX2 one is built for it)."""
-    return AVX512_CPU_FLAGS <= cpu_flags()
-
-
-def build_flags(bf16_dot: bool | None = None, avx512: bool | None = None) -> list[str]:
-    """The compiler flags: FLAGS, and -mavx512bf16 where the CPU has it (`bf16_dot`: this CPU's), or
-    AVX2_FLAGS where it lacks AVX-512 VNNI or FORGE_CPU_KERNELS=avx2 asks for them (`avx512`: not)."""
-    if avx512 is None:
-        avx512 = cpu_runs_avx512() and os.environ.get("FORGE_CPU_KERNELS") != "avx2"
-    if not avx512:
-        return AVX2_FLAGS
-    return FLAGS + (["-mavx512bf16"] if (cpu_has_bf16_dot() if bf16_dot is None else bf16_dot) else [])
-
-
-def build_for_this_cpu() -> Path:
-    """The library for this CPU: with build_flags(), or where the compiler refuses -mavx512bf16 (GCC
-    before 10), without it (attention's scores by fused multiply-adds, to the same bits)."""
-    flags = build_flags()
-    try:
-        return _build(flags)
-    except subprocess.CalledProcessError as error:
-        if flags in (FLAGS, AVX2_FLAGS):
-            raise
-        log.warning("the compiler refused -mavx512bf16, building without it: %s", error.stderr)
-        return _build(FLAGS)
-
-
-def _build(flags: list[str]) -> Path:
-    """The library built with `flags`, from the cache when it is there."""
-    compiler = os.environ.get("CC", "cc")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    header = SOURCES[0].parent / AVX2_HEADER
-    texts = [p.read_text() for p in [*SOURCES, *headers()]]
-    key = hashlib.sha256("\n".join([*texts, " ".join(flags), version]).encode()).hexdigest()[:16]
-    target = CACHE_DIR / f"forge_cpu-{key}.so"
-    if target.exists():
-        return target
-    if "-DFORGE_AVX2" in flags:  # the header's text is in the key, not where it lies
-        flags = [*flags, "-include", str(header)]
-    log.info("building the native CPU kernels for this CPU, once (a minute to a few; then cached in %s)", CACHE_DIR)
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:  # then renamed: concurrent builds are safe
-        built = Path(tmp) / target.name
-        objects = _compile_all(compiler, [f for f in flags if f != "-shared"], Path(tmp))
-        subprocess.run([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(built)], capture_output=True,
-                       text=True, check=True)
-        os.replace(built, target)
-    return target
-
-
-def headers() -> list[Path]:
-    """The headers beside the sources (avx2.h, and those the sources include): each is part of the
-    build's cache key, so that a change to one builds the library again."""
-    return sorted(SOURCES[0].parent.glob("*.h"))
-
-
-def _compile_all(compiler: str, flags: list[str], out: Path) -> list[Path]:
-    """Each source compiled to an object in `out`, all at once: the sources are separate translation
-    units (one command with all of them compiles each apart too), so the library linked from these is
-    the one a single command builds, and the build takes the longest source's time rather than their sum
-    where there are cores for it (on a 2-core Zen 3 the AVX2 build took 42.6 -> 31.4 s, ops.c alone,
-    attention in it then, about 29). CalledProcessError, with the compiler's stderr, for the first source that fails."""
-    objects = [out / f"{source.stem}.o" for source in SOURCES]
-    runs = []
-    for source, obj in zip(SOURCES, objects):
-        command = [compiler, *flags, "-c", str(source), "-o", str(obj)]
-        runs.append((command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
-    failed = None
-    for command, run in runs:  # every compile waited for, so that none outlives the directory
-        stdout, stderr = run.communicate()
-        if run.returncode and failed is None:
-            failed = subprocess.CalledProcessError(run.returncode, command, stdout, stderr)
-    if failed is not None:
-        raise failed
-    return objects
 
 
 def supports(weight_shape: torch.Size | tuple[int, int]) -> bool:
@@ -319,11 +204,11 @@ def linear(x: torch.Tensor, w: QuantWeight, levels: int = 2, fine_above: float =
 
 # ---- the bf16 decode path's other ops: each one call instead of several torch ops ----
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _bf16(*tensors: torch.Tensor) -> bool:
+def bf16(*tensors: torch.Tensor) -> bool:
     # A loop, not all() over a generator: this runs a few hundred times a decode step.
     for t in tensors:
         if t.dtype != torch.bfloat16 or not t.is_cpu:
@@ -339,7 +224,7 @@ def _residual_stream(x: torch.Tensor) -> bool:
 
 def norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """RMSNorm of an fp32 residual stream [T, D] with a bf16 weight."""
-    return _residual_stream(x) and _bf16(weight)
+    return _residual_stream(x) and bf16(weight)
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -348,8 +233,8 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
     out = torch.empty(t, d, dtype=torch.bfloat16)
     if delta is not None:
         delta = delta.contiguous()
-        assert delta.shape == residual.shape and _bf16(delta)
-    library().forge_add_rms_norm(residual.data_ptr(), _ptr(delta),
+        assert delta.shape == residual.shape and bf16(delta)
+    library().forge_add_rms_norm(residual.data_ptr(), ptr(delta),
                                  weight.contiguous().data_ptr(), out.data_ptr(), t, d, eps, torch.get_num_threads())
     return out
 
@@ -360,7 +245,7 @@ def final_norm_supported(x: torch.Tensor, delta: torch.Tensor | None, weight: to
     bf16 lm_head."""
     return (dtype == torch.bfloat16 and _residual_stream(x) and weight.dtype == torch.float32
             and weight.is_contiguous()
-            and (delta is None or (_bf16(delta) and delta.shape == x.shape and delta.is_contiguous())))
+            and (delta is None or (bf16(delta) and delta.shape == x.shape and delta.is_contiguous())))
 
 
 def final_norm(x: torch.Tensor, delta: torch.Tensor | None, rows: torch.Tensor, weight: torch.Tensor,
@@ -370,14 +255,14 @@ def final_norm(x: torch.Tensor, delta: torch.Tensor | None, rows: torch.Tensor, 
     rows = rows.to(torch.int64).contiguous()
     n, d = rows.shape[0], x.shape[1]
     h, low = torch.empty(n, d), torch.empty(n, d, dtype=torch.bfloat16)
-    if library().forge_final_norm(x.data_ptr(), _ptr(delta), x.shape[0], rows.data_ptr(), n, d, weight.data_ptr(),
+    if library().forge_final_norm(x.data_ptr(), ptr(delta), x.shape[0], rows.data_ptr(), n, d, weight.data_ptr(),
                                   eps, h.data_ptr(), low.data_ptr()):
         raise IndexError(f"logit rows out of range for {x.shape[0]} rows")
     return h, low
 
 
 def silu_mul_supported(gate_up: torch.Tensor) -> bool:
-    return library() is not None and _bf16(gate_up) and gate_up.dim() == 2 and gate_up.shape[1] % 32 == 0
+    return library() is not None and bf16(gate_up) and gate_up.dim() == 2 and gate_up.shape[1] % 32 == 0
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -392,7 +277,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary_supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """x [T, heads, hd] with whole heads contiguous; cos, sin [T, 1, hd] contiguous; all bf16."""
     hd = x.shape[-1]
-    return (library() is not None and _bf16(x, cos, sin) and x.dim() == 3 and x.stride(2) == 1
+    return (library() is not None and bf16(x, cos, sin) and x.dim() == 3 and x.stride(2) == 1
             and x.stride(1) == hd and hd % 32 == 0 and cos.is_contiguous() and sin.is_contiguous())
 
 
@@ -405,7 +290,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 def head_norm_supported(qk: torch.Tensor, weight: torch.Tensor) -> bool:
     """qk [T, heads, hd] bf16 with whole heads contiguous (rows may be strided); weight [hd] bf16."""
-    return (library() is not None and _bf16(qk, weight) and qk.dim() == 3 and qk.stride(2) == 1
+    return (library() is not None and bf16(qk, weight) and qk.dim() == 3 and qk.stride(2) == 1
             and qk.stride(1) == qk.shape[2] and qk.shape[2] % 16 == 0 and weight.is_contiguous())
 
 
@@ -420,7 +305,7 @@ def head_rms_norm_(qk: torch.Tensor, split: int, first: torch.Tensor, rest: torc
 MAX_LORA_RANK = 256  # ops.c's MAX_LORA_RANK (config.MAX_LORA_RANK bounds --max-lora-rank by it)
 
 
-def _lora_shape(k: int, n: int, rank: int) -> bool:
+def lora_shape(k: int, n: int, rank: int) -> bool:
     """forge_lora_add's shapes: K and N whole 16-lane vectors, the rank within MAX_LORA_RANK."""
     return k % 16 == 0 and n % 16 == 0 and rank <= MAX_LORA_RANK
 
@@ -428,7 +313,7 @@ def _lora_shape(k: int, n: int, rank: int) -> bool:
 def lora_supported(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> bool:
     """Whether forge_lora_add takes y [T, N] and x [T, K] (bf16 or fp32, rows contiguous) with A [R, K]."""
     return (library() is not None and all(t.dtype in (torch.bfloat16, torch.float32) and t.stride(-1) == 1
-                                          for t in (y, x)) and _lora_shape(x.shape[1], y.shape[1], a.shape[0]))
+                                          for t in (y, x)) and lora_shape(x.shape[1], y.shape[1], a.shape[0]))
 
 
 def lora_add_(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> None:
@@ -436,20 +321,20 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, a: torch.Ten
     depend on the others listed): a [R, K] and bt [R, N] fp32 contiguous, rows int64."""
     assert a.dtype == bt.dtype == torch.float32 and a.is_contiguous() and bt.is_contiguous()
     assert rows.dtype == torch.int64 and rows.is_contiguous()
-    library().forge_lora_add(x.data_ptr(), _bf16(x), x.stride(0), rows.data_ptr(), rows.shape[0], x.shape[1],
-                             a.data_ptr(), a.shape[0], bt.data_ptr(), bt.shape[1], y.data_ptr(), _bf16(y), y.stride(0),
+    library().forge_lora_add(x.data_ptr(), bf16(x), x.stride(0), rows.data_ptr(), rows.shape[0], x.shape[1],
+                             a.data_ptr(), a.shape[0], bt.data_ptr(), bt.shape[1], y.data_ptr(), bf16(y), y.stride(0),
                              torch.get_num_threads())
 
 
-def _head_dim_supported(hd: int) -> bool:
+def head_dim_supported(hd: int) -> bool:
     return hd % 32 == 0 and hd <= 256  # attention.h: whole 32-value bf16 loads, MAX_HEAD_DIM
 
 
 def attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """q [T, H, hd] with whole heads contiguous, against a contiguous cache; both bf16."""
     hd = q.shape[-1]
-    return (library() is not None and _bf16(q, k_cache) and q.stride(2) == 1 and q.stride(1) == hd
-            and _head_dim_supported(hd) and k_cache.is_contiguous())
+    return (library() is not None and bf16(q, k_cache) and q.stride(2) == 1 and q.stride(1) == hd
+            and head_dim_supported(hd) and k_cache.is_contiguous())
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -473,7 +358,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     of the caches (the chunk's own included), causally -> out [L, H, hd] bf16 (contiguous)."""
     length, h, hd = q.shape
     slots = slots.to(torch.int64).contiguous()
-    assert out.is_contiguous() and out.shape == q.shape and _bf16(out)
+    assert out.is_contiguous() and out.shape == q.shape and bf16(out)
     _status(library().forge_prefill_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.contiguous().data_ptr(), slots.data_ptr(),
         slots.shape[0], length, h, k_cache.shape[1], hd, scale, out.data_ptr(), torch.get_num_threads()))
@@ -485,7 +370,7 @@ MAX_REFINE = 64  # ops.c's MAX_REFINE
 def refine_supported(logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
     """Whether refine_top_ takes these: fp32 logits [N, V] and h [N, D], a bf16 weight [V, D], all
     contiguous, 0 < k <= min(MAX_REFINE, V)."""
-    return (library() is not None and logits.dtype == torch.float32 and h.dtype == torch.float32 and _bf16(weight)
+    return (library() is not None and logits.dtype == torch.float32 and h.dtype == torch.float32 and bf16(weight)
             and logits.dim() == 2 and h.dim() == 2 and weight.dim() == 2 and logits.shape[0] == h.shape[0]
             and tuple(weight.shape) == (logits.shape[1], h.shape[1]) and 0 < k <= min(MAX_REFINE, logits.shape[1])
             and logits.is_contiguous() and h.is_contiguous() and weight.is_contiguous())
@@ -501,157 +386,3 @@ def refine_top_(logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, k: 
 def _status(code: int) -> None:
     if code:
         raise ValueError(f"attention refused its shapes (status {code})")
-
-
-# ---- a whole bf16 step's layers in one call (native/cpu/decode.c) ----
-
-class _Weight(ctypes.Structure):
-    _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("offset", ctypes.c_void_p),
-                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("levels", ctypes.c_int32),
-                ("fine_above", ctypes.c_float)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Weight), ("o", _Weight),
-                ("gate_up", _Weight), ("down", _Weight), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("qkv_bias", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
-                ("rope", ctypes.c_int64)]
-
-
-class _LoraModule(ctypes.Structure):
-    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("rank", ctypes.c_int64), ("n", ctypes.c_int64),
-                ("offset", ctypes.c_int64)]
-
-
-class _LoraTable(ctypes.Structure):
-    _fields_ = [("modules", ctypes.c_void_p), ("first", ctypes.c_void_p)]
-
-
-class _LoraRows(ctypes.Structure):
-    _fields_ = [("table", ctypes.c_void_p), ("rows", ctypes.c_void_p), ("count", ctypes.c_int64)]
-
-
-_PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # decode.c's P_QKV .. P_DOWN
-
-
-class _Dims(ctypes.Structure):
-    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
-                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("block_size", ctypes.c_int64),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-
-
-@dataclass
-class DecodeLayer:
-    """One decoder layer's weights as the fused step call takes them: bf16 norms and each
-    projection in the native layout with its activation levels."""
-
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    qkv: tuple[QuantWeight, int]  # (weight, levels)
-    o: tuple[QuantWeight, int]
-    gate_up: tuple[QuantWeight, int]
-    down: tuple[QuantWeight, int]
-    qkv_bias: torch.Tensor | None = None  # bf16 [(H + 2 Hkv) hd] (Qwen2)
-    q_norm: torch.Tensor | None = None  # bf16 [hd] each (Qwen3)
-    k_norm: torch.Tensor | None = None
-    rope: bool = True  # False: no rotary embedding (SmolLM3's NoPE layers)
-
-
-class DecodePlan:
-    """Runs every layer of a step in one native call, its decode rows and prefill chunks alike: the
-    per-kernel path's kernels, in its order and with its arguments (so the same bits), without ~11
-    Python round trips per layer (about 2 ms a step on the default model)."""
-
-    def __init__(self, layers: list[DecodeLayer], hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int, eps: float, scale: float) -> None:
-        self.layers = layers  # keeps the weights the structs point at alive
-        self.max_rows = None  # any decode step: the native GEMMs take every batch size
-        # The GEMMs take a step's rows in blocks of ROWS: a row that opens a block costs the block's
-        # pass over every weight, several rows' worth (see Scheduler's row_block).
-        self.row_block = ROWS
-        self.dims = _Dims(hidden, heads, kv_heads, head_dim, intermediate, 0, eps, scale)
-        self.table = (_Layer * len(layers))()
-        for row, layer in zip(self.table, layers):
-            row.input_norm = layer.input_norm.data_ptr()
-            row.post_norm = layer.post_norm.data_ptr()
-            row.qkv_bias, row.q_norm, row.k_norm = _ptr(layer.qkv_bias), _ptr(layer.q_norm), _ptr(layer.k_norm)
-            row.rope = int(layer.rope)
-            for name in ("qkv", "o", "gate_up", "down"):
-                w, levels = getattr(layer, name)
-                setattr(row, name, _Weight(w.codes.data_ptr(), w.scale.data_ptr(),
-                                           _ptr(w.offset), w.shape[0], w.shape[1], levels, FINE_ABOVE))
-        self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._adapters: list[tuple[_LoraTable, object]] = []  # each LoRA adapter's table, and what it points at
-
-    def add_adapter(self, adapter) -> None:
-        """Take a LoRA adapter (forge_service/lora.py), which AttentionMetadata.lora then names by
-        its 1-based index in the order added: its updates are added in the call, after each
-        projection, as the per-kernel path adds them."""
-        modules, first = [], [0]
-        for layer in adapter.layers:
-            for name in _PROJECTIONS:
-                for m in layer.get(name, ()):
-                    if not (m.a.is_contiguous() and m.bt.is_contiguous()
-                            and _lora_shape(m.a.shape[1], m.bt.shape[1], m.a.shape[0])):
-                        raise ValueError(f"LoRA adapter {adapter.name!r}: a module the fused step cannot take")
-                    modules.append(_LoraModule(m.a.data_ptr(), m.bt.data_ptr(), m.a.shape[0], m.bt.shape[1],
-                                               m.offset))
-                first.append(len(modules))
-        array = (_LoraModule * max(1, len(modules)))(*modules)
-        starts = torch.tensor(first, dtype=torch.int64)
-        self._adapters.append((_LoraTable(ctypes.addressof(array), starts.data_ptr()), (adapter, array, starts)))
-
-    @staticmethod
-    def supported(layers: list[DecodeLayer], hidden: int, intermediate: int, head_dim: int) -> bool:
-        """Whether every kernel of the call takes these shapes (as norm_supported, silu_mul_supported
-        and attention_supported say for the per-kernel path)."""
-        extras = [t for layer in layers for t in (layer.qkv_bias, layer.q_norm, layer.k_norm) if t is not None]
-        return (library() is not None and hidden % 16 == 0 and intermediate % 16 == 0
-                and _head_dim_supported(head_dim) and all(_bf16(layer.input_norm, layer.post_norm) for layer in layers)
-                and all(_bf16(t) and t.is_contiguous() for t in extras))
-
-    def takes(self, meta, tokens: int) -> bool:
-        """Whether this step is one the plan runs: any, given its decode rows' context lengths."""
-        return meta.num_decode_tokens == 0 or meta.decode_lens is not None
-
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
-        """x [T, D] fp32 embeddings, updated in place; cos, sin [T, 1, hd] bf16 -> the last layer's
-        MLP output [T, D] bf16, still to be added to x."""
-        if not _bf16(cos, sin):
-            raise ValueError("the fused step takes bf16 rotary tables")
-        if kv_caches is not self._caches:
-            if len(kv_caches) != len(self.layers):
-                raise ValueError(f"{len(kv_caches)} caches for {len(self.layers)} layers")
-            for row, (k_cache, v_cache) in zip(self.table, kv_caches):
-                if not (_bf16(k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()):
-                    raise ValueError("the fused step takes contiguous bf16 caches")
-                row.k_cache, row.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-            self._caches = kv_caches
-        self.dims.block_size = meta.block_size
-        t, decodes = x.shape[0], meta.num_decode_tokens
-        delta = torch.empty(t, x.shape[1], dtype=torch.bfloat16)
-        slots = meta.slot_mapping.to(torch.int64).contiguous()
-        tables = lens = None
-        if decodes:
-            tables = meta.decode_block_tables.to(torch.int64).contiguous()
-            lens = meta.decode_lens.to(torch.int32).contiguous()
-        chunks = context = None
-        if meta.prefills:  # each chunk: its first row, its rows, its context (its own tokens last)
-            contexts = [slots[s.q_start:s.q_end] if s.ctx_slots is None else s.ctx_slots.to(torch.int64)
-                        for s in meta.prefills]
-            chunks = torch.tensor([[s.q_start, s.q_end - s.q_start, len(c)] for s, c in zip(meta.prefills, contexts)],
-                                  dtype=torch.int64)
-            context = torch.cat(contexts).contiguous()
-        cos, sin = cos.contiguous(), sin.contiguous()
-        lora = (_LoraRows * max(1, len(meta.lora)))(*(
-            _LoraRows(ctypes.addressof(self._adapters[index - 1][0]), rows.data_ptr(), rows.shape[0])
-            for index, rows in meta.lora))  # meta.lora's rows: contiguous int64, alive through the call
-        status = library().forge_decode_layers(
-            ctypes.byref(self.table), len(self.layers), ctypes.byref(self.dims), x.data_ptr(), delta.data_ptr(), t,
-            slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), decodes, _ptr(tables),
-            0 if tables is None else tables.shape[1], _ptr(lens), len(meta.prefills), _ptr(chunks), _ptr(context),
-            lora, len(meta.lora), torch.get_num_threads())
-        if status:
-            raise ValueError({1: "unsupported shapes", 2: "out of memory"}.get(status, f"status {status}"))
-        return delta

@@ -7,7 +7,7 @@ import gc
 import torch
 
 from bench import decode_step
-from forge_service.backends import cpu_kernels
+from forge_service.backends import cpu_build, cpu_kernels
 from forge_service.backends.cpu_linear import CpuWeight
 
 
@@ -72,7 +72,7 @@ def test_product_rates_run_the_kernels_build_on_the_given_threads(monkeypatch) -
                         lambda binary, isa, threads, iterations, rounds: calls.append((binary.name, isa, threads))
                         or [{"loop": "product", "threads": threads, "g_instr_s": 1.0, "gmac_s": 32.0}])
     rows = decode_step.product_rates(3)
-    isa = "avx2" if "-DFORGE_AVX2" in cpu_kernels.build_flags() else "avx512"
+    isa = "avx2" if "-DFORGE_AVX2" in cpu_build.build_flags() else "avx512"
     assert calls == [(isa, isa, 3)] and rows[0]["threads"] == 3
 
 

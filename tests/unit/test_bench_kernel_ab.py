@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench.kernel_ab import ROOT, sources_at
-from forge_service.backends import cpu_kernels
+from forge_service.backends import cpu_build
 
 
 def _git_show(revision: str, path: Path) -> str:
@@ -18,11 +18,11 @@ def _git_show(revision: str, path: Path) -> str:
 def test_a_revision_s_sources_are_its_native_files_and_the_worktree_s_those_on_disk(tmp_path: Path) -> None:
     at_head = sources_at("HEAD", tmp_path / "head")
     on_disk = sources_at("worktree", tmp_path / "disk")
-    assert [p.relative_to(tmp_path / "disk") for p in on_disk] == [p.relative_to(ROOT) for p in cpu_kernels.SOURCES]
-    assert [p.read_text() for p in on_disk] == [p.read_text() for p in cpu_kernels.SOURCES]
+    assert [p.relative_to(tmp_path / "disk") for p in on_disk] == [p.relative_to(ROOT) for p in cpu_build.SOURCES]
+    assert [p.read_text() for p in on_disk] == [p.read_text() for p in cpu_build.SOURCES]
     # with the headers the sources include, beside them
     assert sorted(p.relative_to(tmp_path / "disk") for p in (tmp_path / "disk" / "native" / "cpu").glob("*.h")) \
-        == [p.relative_to(ROOT) for p in cpu_kernels.headers()]
+        == [p.relative_to(ROOT) for p in cpu_build.headers()]
     committed = subprocess.run(["git", "ls-tree", "--name-only", "HEAD", "native/cpu/"], cwd=ROOT, capture_output=True,
                                text=True, check=True).stdout.split()
     assert [str(p.relative_to(tmp_path / "head")) for p in at_head] == sorted(p for p in committed if p.endswith(".c"))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import product_rate
-from forge_service.backends import cpu_kernels
+from forge_service.backends import cpu_build
 
 # The probe is x86 assembly: it builds with a C compiler for an x86 target.
 compiler = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None
@@ -32,9 +32,9 @@ def test_the_probe_builds_for_either_instruction_set(tmp_path: Path, isa: str) -
 
 @compiler
 def test_products_alone_outrun_the_gemm_inner_step_on_this_cpu(tmp_path: Path) -> None:
-    if cpu_kernels.cpu_runs_avx512():
+    if cpu_build.cpu_runs_avx512():
         isa = "avx512"
-    elif cpu_kernels.AVX2_CPU_FLAGS <= cpu_kernels.cpu_flags():
+    elif cpu_build.AVX2_CPU_FLAGS <= cpu_build.cpu_flags():
         isa = "avx2"
     else:
         pytest.skip("neither AVX-512 VNNI nor AVX2")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge_service.backends import base, cpu_kernels, torch_ref
+from forge_service.backends import base, cpu_build, cpu_kernels, torch_ref
 from forge_service.backends.base import Int8Weight
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None,
@@ -393,7 +393,7 @@ def test_a_query_gets_the_same_bits_in_a_prefill_chunk_as_in_a_decode_step(conte
     assert torch.equal(tail, prefill[-5:])
 
 
-@pytest.mark.skipif(not cpu_kernels.cpu_has_bf16_dot(), reason="this CPU has no AVX512-BF16")
+@pytest.mark.skipif(not cpu_build.cpu_has_bf16_dot(), reason="this CPU has no AVX512-BF16")
 @pytest.mark.parametrize("heads,kv_heads,hd", [(32, 4, 64), (16, 2, 128)])
 def test_scores_by_vdpbf16ps_give_the_bits_of_the_fused_multiply_adds(monkeypatch: pytest.MonkeyPatch, heads: int,
                                                                       kv_heads: int, hd: int) -> None:
@@ -413,9 +413,9 @@ def test_scores_by_vdpbf16ps_give_the_bits_of_the_fused_multiply_adds(monkeypatc
         return prefill, cpu_kernels.decode_attention(q, k_cache, v_cache, table.repeat(context, 1), lens, 16,
                                                      hd ** -0.5)
 
-    assert "-mavx512bf16" in cpu_kernels.build_flags()
+    assert "-mavx512bf16" in cpu_build.build_flags()
     with_dot = outputs()
-    fmas = cpu_kernels.declare(ctypes.CDLL(str(cpu_kernels._build(cpu_kernels.build_flags(bf16_dot=False)))))
+    fmas = cpu_kernels.declare(ctypes.CDLL(str(cpu_build._build(cpu_build.build_flags(bf16_dot=False)))))
     monkeypatch.setattr(cpu_kernels, "library", lambda: fmas)
     without = outputs()
     assert torch.equal(with_dot[0], without[0]) and torch.equal(with_dot[1], without[1])
@@ -426,12 +426,12 @@ def test_a_compiler_that_refuses_avx512bf16_builds_the_kernels_without_it(monkey
     _stand_in_compiler(monkeypatch, tmp_path, """for arg in "$@"; do  # as GCC before 10 answers the flag
   [ "$arg" = -mavx512bf16 ] && { echo "cc: error: unrecognized command-line option '$arg'" >&2; exit 1; }
 done""")
-    monkeypatch.setattr(cpu_kernels, "CACHE_DIR", tmp_path / "cache")
-    monkeypatch.setattr(cpu_kernels, "cpu_has_bf16_dot", lambda: True)
-    runs_avx512 = cpu_kernels.cpu_runs_avx512()
-    monkeypatch.setattr(cpu_kernels, "cpu_runs_avx512", lambda: True)
-    built = cpu_kernels.build_for_this_cpu()
-    assert built == cpu_kernels._build(cpu_kernels.FLAGS) and built.exists()
+    monkeypatch.setattr(cpu_build, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(cpu_build, "cpu_has_bf16_dot", lambda: True)
+    runs_avx512 = cpu_build.cpu_runs_avx512()
+    monkeypatch.setattr(cpu_build, "cpu_runs_avx512", lambda: True)
+    built = cpu_build.build_for_this_cpu()
+    assert built == cpu_build._build(cpu_build.FLAGS) and built.exists()
     assert cpu_kernels.declare(ctypes.CDLL(str(built))).forge_supported() == runs_avx512
 
 
@@ -448,9 +448,9 @@ def _sources(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, texts: dict[str, s
     (tmp_path / "src").mkdir()
     for name, text in texts.items():
         (tmp_path / "src" / name).write_text(text)
-    (tmp_path / "src" / cpu_kernels.AVX2_HEADER).write_text("")
-    monkeypatch.setattr(cpu_kernels, "SOURCES", sorted((tmp_path / "src").glob("*.c")))
-    monkeypatch.setattr(cpu_kernels, "CACHE_DIR", tmp_path / "cache")
+    (tmp_path / "src" / cpu_build.AVX2_HEADER).write_text("")
+    monkeypatch.setattr(cpu_build, "SOURCES", sorted((tmp_path / "src").glob("*.c")))
+    monkeypatch.setattr(cpu_build, "CACHE_DIR", tmp_path / "cache")
 
 
 def test_sources_compiled_apart_link_the_library_one_command_builds(monkeypatch: pytest.MonkeyPatch,
@@ -458,12 +458,12 @@ def test_sources_compiled_apart_link_the_library_one_command_builds(monkeypatch:
     _sources(monkeypatch, tmp_path, {"a.c": "int forge_a(int x) { return 3 * x; }\n",
                                      "b.c": "int forge_a(int);\nint forge_b(int x) { return forge_a(x) + 1; }\n"})
     flags = ["-O2", "-std=c11", "-fopenmp", "-fPIC", "-shared"]  # every build links libgomp
-    built = cpu_kernels._build(flags)
-    assert built.parent == tmp_path / "cache" and cpu_kernels._build(flags) == built  # cached
+    built = cpu_build._build(flags)
+    assert built.parent == tmp_path / "cache" and cpu_build._build(flags) == built  # cached
     assert ctypes.CDLL(str(built)).forge_b(4) == 13
     whole = tmp_path / "whole.so"  # the single command the objects stand in for
     compiler = os.environ.get("CC", "cc")
-    subprocess.run([compiler, *flags, *map(str, cpu_kernels.SOURCES), "-o", str(whole)], check=True)
+    subprocess.run([compiler, *flags, *map(str, cpu_build.SOURCES), "-o", str(whole)], check=True)
     assert built.read_bytes() == whole.read_bytes()
 
 
@@ -478,7 +478,7 @@ def test_the_sources_compile_at_once(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     sleep 0.05; n=$((n + 1)); [ $n -gt 100 ] && {{ echo "compiled alone" >&2; exit 1; }}
   done;;
 esac""")
-    built = cpu_kernels._build(["-O2", "-std=c11", "-fopenmp", "-fPIC", "-shared"])
+    built = cpu_build._build(["-O2", "-std=c11", "-fopenmp", "-fPIC", "-shared"])
     assert len(list(marks.iterdir())) == 3 and ctypes.CDLL(str(built)).forge_c() == 1
 
 
@@ -488,9 +488,9 @@ def test_a_header_the_sources_include_is_part_of_the_build_s_cache_key(monkeypat
     header = tmp_path / "src" / "k.h"
     flags = ["-O2", "-std=c11", "-fPIC", "-shared"]
     header.write_text("#define K 3\n")
-    first = cpu_kernels._build(flags)
+    first = cpu_build._build(flags)
     header.write_text("#define K 4\n")  # the source unchanged: only the header says what it builds
-    second = cpu_kernels._build(flags)
+    second = cpu_build._build(flags)
     assert second != first and ctypes.CDLL(str(second)).forge_a() == 4
 
 
@@ -499,7 +499,7 @@ def test_a_source_that_does_not_compile_fails_the_build_with_its_error(monkeypat
     _sources(monkeypatch, tmp_path, {"a.c": "int forge_a(void) { return 1; }\n",
                                      "b.c": "int forge_b(void) { return nothing_here; }\n"})
     with pytest.raises(subprocess.CalledProcessError) as failed:
-        cpu_kernels._build(["-O2", "-std=c11", "-fPIC", "-shared"])
+        cpu_build._build(["-O2", "-std=c11", "-fPIC", "-shared"])
     assert "b.c" in " ".join(failed.value.cmd) and "nothing_here" in failed.value.stderr
     assert not list((tmp_path / "cache").glob("*.so"))  # nothing cached, and the directory left clean
     assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
@@ -633,7 +633,7 @@ def test_extreme_codes_against_extreme_activations_are_summed_exactly(bits: int)
         assert torch.allclose(got.double(), exact, rtol=1e-6, atol=1e-3), levels
 
 
-@pytest.mark.skipif(not cpu_kernels.cpu_runs_avx512(),
+@pytest.mark.skipif(not cpu_build.cpu_runs_avx512(),
                     reason="compares the AVX2 build with the AVX-512 one, which this CPU cannot run")
 def test_the_avx2_build_gives_the_bits_of_the_avx512_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """The two builds of the kernels (see native/cpu/avx2.h) give the same bits on every kernel, so
@@ -641,7 +641,7 @@ def test_the_avx2_build_gives_the_bits_of_the_avx512_build(monkeypatch: pytest.M
     from forge_service.backends.torch_ref import rotary_tables
     from forge_service.layers.rotary import RotaryEmbedding
 
-    avx512, avx2 = (cpu_kernels.declare(ctypes.CDLL(str(cpu_kernels._build(cpu_kernels.build_flags(avx512=wide)))))
+    avx512, avx2 = (cpu_kernels.declare(ctypes.CDLL(str(cpu_build._build(cpu_build.build_flags(avx512=wide)))))
                     for wide in (True, False))
     g = torch.Generator().manual_seed(11)
     codes, scale, zero = _codes(960, 576, seed=5)
@@ -687,8 +687,8 @@ def test_a_cpu_without_avx2_keeps_torch_s_kernels_without_building(monkeypatch: 
     def no_build(flags: list[str]) -> Path:
         raise AssertionError(f"built with {flags}")
 
-    monkeypatch.setattr(cpu_kernels, "_build", no_build)
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"sse2", "avx", "fma", "f16c"}))
+    monkeypatch.setattr(cpu_build, "_build", no_build)
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: frozenset({"sse2", "avx", "fma", "f16c"}))
     cpu_kernels.library.cache_clear()
     try:
         assert cpu_kernels.library() is None
