@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import socket
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable
 
 import grpc
 from fastapi import FastAPI, Request
@@ -22,7 +21,7 @@ from opentelemetry.trace import Tracer
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from forge_gateway import balancer, convert, embeddings, responses, streams, tokens
+from forge_gateway import balancer, convert, embeddings, responses, sse, streams, tokens
 from forge_gateway.config import GatewayConfig
 from forge_gateway.errors import GatewayError, from_grpc, internal_error, validation_error
 from forge_gateway.metrics import GatewayMetrics, ObservabilityMiddleware, client_interceptors
@@ -33,11 +32,6 @@ from forge_service.pb import forge_pb2 as pb
 from forge_service.pb import forge_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-_CLOSED_BY_CLIENT = 499  # nginx's code; nobody reads it, the client is gone
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away; its gRPC calls were cancelled."""
 
 
 def listen_http(host: str, port: int) -> socket.socket:
@@ -174,8 +168,8 @@ async def _guard(work: Awaitable[Response], body: _Common | None = None) -> Resp
         return await work
     except GatewayError:
         raise
-    except ClientDisconnected:
-        return Response(status_code=_CLOSED_BY_CLIENT)
+    except sse.ClientDisconnected:
+        return Response(status_code=sse.CLOSED_BY_CLIENT)
     except grpc.aio.AioRpcError as error:
         mapped = from_grpc(error)
         if body is not None:
@@ -230,7 +224,7 @@ async def _chat(request: Request, body: ChatCompletionRequest, config: GatewayCo
                                        body.continuous_usage, echo=body.echoed)
         return await _stream(request, [message], formatter, timeout)
     call = _replicas(request).generate(message, timeout)
-    response = await _unless_disconnected(request, _answer(request, call), _canceller([call]))
+    response = await sse.unless_disconnected(request, _answer(request, call), sse.canceller([call]))
     return JSONResponse(convert.chat_completion(response, response_id, created, body.model, body.logprobs,
                                                 body.prompt_logprobs, echo=body.echoed))
 
@@ -247,7 +241,7 @@ async def _responses(request: Request, body: responses.ResponsesRequest, config:
         if body.stream:
             return await _stream(request, [message], responses.ResponsesStream(response_id, created, body), timeout)
         call = _replicas(request).generate(message, timeout)
-        answer = await _unless_disconnected(request, _answer(request, call), _canceller([call]))
+        answer = await sse.unless_disconnected(request, _answer(request, call), sse.canceller([call]))
         return JSONResponse(responses.response(answer, response_id, created, body))
     except ValidationError as error:
         raise responses.renamed(validation_error(error.errors())) from None
@@ -268,7 +262,8 @@ async def _completions(request: Request, body: CompletionRequest, config: Gatewa
                                              prompt_only=body.prompt_only, top_k=body.logprobs or 0)
         return await _stream(request, messages, formatter, timeout)
     calls = [_replicas(request).generate(m, timeout) for m in messages]
-    responses = await _unless_disconnected(request, asyncio.gather(*(_answer(request, c) for c in calls)), _canceller(calls))
+    responses = await sse.unless_disconnected(request, asyncio.gather(*(_answer(request, c) for c in calls)),
+                                              sse.canceller(calls))
     return JSONResponse(convert.text_completion(responses, response_id, created, body))
 
 
@@ -276,7 +271,7 @@ async def _embeddings(request: Request, body: embeddings.EmbeddingRequest, confi
     message = embeddings.embed_request(body, _ids(request, "embd")[0])
     call = _stub(request).Embed(message, timeout=_timeout(request, config))
     try:
-        answer = await _unless_disconnected(request, call, call.cancel)
+        answer = await sse.unless_disconnected(request, call, call.cancel)
     except grpc.aio.AioRpcError as error:
         mapped = from_grpc(error)
         if mapped.param and mapped.param.startswith("inputs"):  # the service's name for `input`
@@ -334,126 +329,16 @@ async def _health(request: Request) -> Response:
     return JSONResponse(body, status_code=200 if state.ready else 503)
 
 
-async def _unless_disconnected(request: Request, awaitable: Awaitable[Any], cancel: Callable[[], None]) -> Any:
-    """Await gRPC work; `cancel` its calls if the HTTP client disconnects first or it fails."""
-    work = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if work in done:
-            return work.result()
-    except BaseException:
-        cancel()
-        raise
-    finally:
-        watcher.cancel()
-    cancel()
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-        await work
-    log.info("client disconnected; cancelled its gRPC calls")
-    raise ClientDisconnected()
-
-
-def _canceller(calls: list[Any]) -> Callable[[], None]:
-    def cancel() -> None:
-        for call in calls:
-            call.cancel()
-
-    return cancel
-
-
-async def _disconnected(request: Request) -> None:
-    # The body has been read, so the next ASGI message can only be the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _stream(request: Request, messages: list[pb.GenerateRequest], formatter: streams.StreamFormatter,
                   timeout: float) -> Response:
     """Start the streams; errors before the first message are HTTP errors, later ones SSE events."""
     calls = [_stub(request).Stream(m, timeout=timeout) for m in messages]
-    merged = _merge(calls)
+    merged = sse.merge(calls)
     try:
-        await _unless_disconnected(request, _replicas(request).admitted(calls), _canceller(calls))
-        first = await _unless_disconnected(request, merged.__anext__(), _canceller(calls))
+        await sse.unless_disconnected(request, _replicas(request).admitted(calls), sse.canceller(calls))
+        first = await sse.unless_disconnected(request, merged.__anext__(), sse.canceller(calls))
     except BaseException:
         await merged.aclose()
         raise
-    return StreamingResponse(_sse(first, merged, formatter), media_type="text/event-stream",
+    return StreamingResponse(sse.events(first, merged, formatter), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-async def _merge(calls: list[Any]) -> AsyncIterator[tuple[int, pb.StreamResponse]]:
-    """(prompt index, message) from several server streams as they arrive; cancels them on exit."""
-    if len(calls) == 1:  # one prompt (nearly every request): read it directly, no task and queue per message
-        try:
-            async for message in calls[0]:
-                yield 0, message
-        finally:
-            calls[0].cancel()
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-
-    async def pump(index: int, call: Any) -> None:
-        try:
-            async for message in call:
-                await queue.put((index, message))
-            await queue.put((index, None))
-        except Exception as error:  # handed to the consumer, which raises it
-            await queue.put((index, error))
-
-    tasks = [asyncio.create_task(pump(i, call)) for i, call in enumerate(calls)]
-    try:
-        remaining = len(calls)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for call in calls:
-            call.cancel()
-        for task in tasks:
-            task.cancel()
-
-
-def _sse_event(payload: dict[str, Any], event: str | None = None) -> str:
-    name = f"event: {event}\n" if event else ""
-    return f"{name}data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-async def _sse(first: tuple[int, pb.StreamResponse], rest: AsyncIterator[tuple[int, pb.StreamResponse]],
-               formatter: streams.StreamFormatter) -> AsyncIterator[str]:
-    """The stream's chunks, then `[DONE]` (a Responses stream: events named by their type, and no
-    `[DONE]`); a failure after the first chunk is one `error` event (OpenAI error JSON) that ends
-    the stream without `[DONE]`."""
-    def event(chunk: dict[str, Any]) -> str:
-        return _sse_event(chunk, chunk["type"] if formatter.named_events else None)
-
-    try:
-        for chunk in formatter.start(first[1]) + formatter.on_message(*first):
-            yield event(chunk)
-        async for index, message in rest:
-            for chunk in formatter.on_message(index, message):
-                yield event(chunk)
-        for chunk in formatter.end():
-            yield event(chunk)
-    except Exception as error:
-        yield _sse_event(_stream_error(error).body(), "error")
-        return
-    finally:
-        await rest.aclose()  # type: ignore[attr-defined]
-    if formatter.done_marker:
-        yield "data: [DONE]\n\n"
-
-
-def _stream_error(error: Exception) -> GatewayError:
-    if isinstance(error, GatewayError):  # e.g. a completion the server aborted
-        return error
-    if isinstance(error, grpc.aio.AioRpcError):
-        return from_grpc(error)
-    return internal_error(error)  # a bug mid-stream: reported in the stream, with an id
