@@ -35,22 +35,22 @@ def sources_at(revision: str, into: Path) -> list[Path]:
 
     folder = cpu_build.SOURCES[0].parent.relative_to(ROOT)
     if revision == "worktree":
-        names = sorted(p.name for p in (ROOT / folder).iterdir() if p.suffix in (".c", ".h"))
+        listed = [str(p.relative_to(ROOT)) for p in (ROOT / folder).iterdir()]
+
+        def read(relative: Path) -> str:
+            return (ROOT / relative).read_text()
     else:
         listed = subprocess.run(["git", "ls-tree", "--name-only", revision, f"{folder}/"], cwd=ROOT,
                                 capture_output=True, text=True, check=True).stdout.split()
-        names = sorted(Path(p).name for p in listed if Path(p).suffix in (".c", ".h"))
-    paths = []
-    for name in names:
-        relative = folder / name
-        if revision == "worktree":
-            text = (ROOT / relative).read_text()
-        else:
-            text = subprocess.run(["git", "show", f"{revision}:{relative}"], cwd=ROOT, capture_output=True,
+
+        def read(relative: Path) -> str:
+            return subprocess.run(["git", "show", f"{revision}:{relative}"], cwd=ROOT, capture_output=True,
                                   text=True, check=True).stdout
+    paths = []
+    for relative in sorted(Path(p) for p in listed if Path(p).suffix in (".c", ".h")):
         path = into / relative
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        path.write_text(read(relative))
         if path.suffix == ".c":
             paths.append(path)
     return paths
